@@ -1,0 +1,505 @@
+//! [`FusionClient`]: a device's engine, and the calls a framework makes into it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use burn_backend::{DType, Shape, StreamId, TensorData};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr, TensorStatus};
+use smallvec::SmallVec;
+
+use crate::error::Rejected;
+use crate::operation::{BurnOperation, CustomExecutor, CustomOperation, FallibleOperation};
+use crate::runtime::StreamRuntime;
+use crate::stream::{
+    EngineConfig, EngineStats, Entry, MultiStream, PendingOp, QueuedOp, in_engine,
+};
+use crate::tensor::FusionTensor;
+use crate::{Error, Result};
+
+struct ClientInner<R: StreamRuntime> {
+    // Field order is drop order: the engine (and the handles it holds) goes before the device.
+    streams: Arc<MultiStream<R>>,
+    context: Arc<R::Context>,
+    device: R::FusionDevice,
+}
+
+/// A device's engine: its streams, its handles, and the runtime that executes on it.
+///
+/// Cheap to clone (a reference count); every clone is the same engine. Tensors keep their client
+/// alive. Dropping the last owner of the runtime context (the last client, tensor, or — with the
+/// transfer module — publication) shuts the device down, waiting for in-flight work.
+///
+/// ```
+/// use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+/// use burn_backend::{DType, TensorData};
+///
+/// let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+/// let a = client.from_data(TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2]))?;
+/// let b = client.fill([2, 2], 0.5, DType::F32)?;
+/// let c = client.matmul(&a, &b)?;
+/// assert_eq!(c.to_vec::<f32>()?, vec![1.5, 1.5, 3.5, 3.5]);
+/// # Ok::<(), fusion_streams::Error>(())
+/// ```
+pub struct FusionClient<R: StreamRuntime> {
+    inner: Arc<ClientInner<R>>,
+}
+
+impl<R: StreamRuntime> Clone for FusionClient<R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<R: StreamRuntime> fmt::Debug for FusionClient<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FusionClient")
+            .field("runtime", &R::name())
+            .field("device", &self.inner.device)
+            .field("streams", &self.inner.streams)
+            .finish()
+    }
+}
+
+/// An operand of an operation: borrowed (read only) or handed over (the operation may consume it
+/// and, when it was the last reference, reuse its buffer in place).
+pub enum Operand<'a, R: StreamRuntime> {
+    /// Read the tensor; the caller keeps it.
+    Read(&'a FusionTensor<R>),
+    /// Hand the tensor to the operation.
+    Consume(FusionTensor<R>),
+}
+
+impl<'a, R: StreamRuntime> From<&'a FusionTensor<R>> for Operand<'a, R> {
+    fn from(tensor: &'a FusionTensor<R>) -> Self {
+        Operand::Read(tensor)
+    }
+}
+
+impl<R: StreamRuntime> From<FusionTensor<R>> for Operand<'_, R> {
+    fn from(tensor: FusionTensor<R>) -> Self {
+        Operand::Consume(tensor)
+    }
+}
+
+impl<R: StreamRuntime> Operand<'_, R> {
+    fn tensor(&self) -> &FusionTensor<R> {
+        match self {
+            Operand::Read(t) => t,
+            Operand::Consume(t) => t,
+        }
+    }
+}
+
+/// What a caller passed, after foreign operands were turned into local views.
+enum Local<'a, R: StreamRuntime> {
+    Borrowed(&'a FusionTensor<R>),
+    Owned(FusionTensor<R>),
+}
+
+impl<R: StreamRuntime> Local<'_, R> {
+    fn tensor(&self) -> &FusionTensor<R> {
+        match self {
+            Local::Borrowed(t) => t,
+            Local::Owned(t) => t,
+        }
+    }
+}
+
+/// Hand back the tensors a rejected call took by value.
+fn hand_back<R: StreamRuntime>(
+    operands: Vec<Operand<'_, R>>,
+    error: Error,
+) -> Rejected<FusionTensor<R>> {
+    let returned = operands
+        .into_iter()
+        .filter_map(|o| match o {
+            Operand::Consume(t) => Some(t),
+            Operand::Read(_) => None,
+        })
+        .collect();
+    Rejected { error, returned }
+}
+
+/// Builds the IR and executor of an operation from its operand and output IRs.
+pub(crate) type BuildFn<'b, R> =
+    Box<dyn FnOnce(&[TensorIr], &[TensorIr]) -> (OperationIr, Box<dyn FallibleOperation<R>>) + 'b>;
+
+impl<R: StreamRuntime> FusionClient<R> {
+    /// Open `device` with the default [`EngineConfig`].
+    pub fn new(device: R::FusionDevice) -> Result<Self> {
+        Self::with_config(device, EngineConfig::default())
+    }
+
+    /// Open `device` with `config`.
+    pub fn with_config(device: R::FusionDevice, config: EngineConfig) -> Result<Self> {
+        let context = Arc::new(R::open(&device)?);
+        Ok(Self {
+            inner: Arc::new(ClientInner {
+                streams: MultiStream::new(config),
+                context,
+                device,
+            }),
+        })
+    }
+
+    /// The device this client runs on.
+    pub fn device(&self) -> &R::FusionDevice {
+        &self.inner.device
+    }
+
+    /// The runtime's per-device state (for runtime-specific calls).
+    pub fn context(&self) -> &Arc<R::Context> {
+        &self.inner.context
+    }
+
+    /// The multi-stream engine.
+    pub fn streams(&self) -> &MultiStream<R> {
+        &self.inner.streams
+    }
+
+    /// What the engine did and what it holds.
+    pub fn stats(&self) -> EngineStats {
+        self.inner.streams.stats()
+    }
+
+    /// Whether two clients are the same engine.
+    pub fn same_engine(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    fn refuse_reentry(what: &'static str) -> Result<()> {
+        if in_engine() {
+            Err(Error::Reentrant { what })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn check_owner(&self, tensor: &FusionTensor<R>) -> Result<()> {
+        if self.same_engine(tensor.client()) {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch {
+                id: tensor.id(),
+                detail: format!(
+                    "tensor of {:?}, operation on {:?}",
+                    tensor.client().device(),
+                    self.device()
+                ),
+            })
+        }
+    }
+
+    /// Create a tensor on the current stream from host data (copied to the device now).
+    pub fn from_data(&self, data: TensorData) -> Result<FusionTensor<R>> {
+        Self::refuse_reentry("FusionClient::from_data")?;
+        let expected = data.shape.num_elements() * data.dtype.size();
+        if data.bytes.len() != expected {
+            return Err(Error::InvalidData(format!(
+                "{} bytes for shape {:?} of {:?} (expected {expected})",
+                data.bytes.len(),
+                data.shape,
+                data.dtype
+            )));
+        }
+        let handle = R::upload(&self.inner.context, &data)?;
+        let id = crate::id::fresh_tensor_id();
+        let home = self.inner.streams.with_current(|cell, state| {
+            state.register_entry(id, Entry::Handle(handle));
+            cell.clone()
+        });
+        Ok(FusionTensor::new(
+            id,
+            data.shape,
+            data.dtype,
+            home,
+            self.clone(),
+        ))
+    }
+
+    /// Run the current stream's pending work (dispatch only, no device wait).
+    pub fn drain(&self) {
+        self.inner.streams.drain(StreamId::current());
+    }
+
+    /// Run the current stream's pending work and wait until the device has finished everything
+    /// dispatched to it.
+    ///
+    /// Errors of individual operations are not reported here: they are on the tensors they
+    /// affect. An error is returned only if the runtime itself fails.
+    pub fn sync(&self) -> Result<()> {
+        Self::refuse_reentry("FusionClient::sync")?;
+        self.drain();
+        R::synchronize(&self.inner.context)
+    }
+
+    /// Start a custom operation named `name` (recorded as a burn [`CustomOpIr`]).
+    pub fn op(&self, name: impl Into<Cow<'static, str>>) -> OpBuilder<'_, R> {
+        OpBuilder {
+            client: self,
+            name: name.into(),
+            operands: Vec::new(),
+            outputs: SmallVec::new(),
+        }
+    }
+
+    pub(crate) fn read_entry(
+        &self,
+        entry: Entry<R::FusionHandle>,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        match entry {
+            // The wait for the device happens here, after the engine lock was released.
+            Entry::Handle(handle) => R::read(&self.inner.context, &handle, shape, dtype),
+            Entry::Failed(error) => Err(error),
+        }
+    }
+
+    /// Register an operation on the current stream.
+    ///
+    /// The steps, in order, each one a point where nothing is lost if it fails:
+    ///
+    /// 1. Refuse re-entrant calls and tensors of other clients, handing every operand back.
+    /// 2. Turn foreign operands into shared views on the current stream (outside any lock).
+    /// 3. Decide each operand's status tentatively: an owned operand that is the last reference to
+    ///    its id is `ReadWrite`, everything else `ReadOnly`. Mint fresh output ids and build the
+    ///    IR and executor (user code, outside any lock). `validate` may still reject here.
+    /// 4. Under the current stream's lock, commit the statuses (a `ReadWrite` operand is released
+    ///    to the operation and leaves `shared_sources`) and enqueue.
+    /// 5. After the lock, drop the `ReadOnly` owned operands: a last drop now lands behind the
+    ///    operation that reads them.
+    pub(crate) fn register(
+        &self,
+        name: Cow<'static, str>,
+        operands: Vec<Operand<'_, R>>,
+        outputs: &[(Shape, DType)],
+        build: BuildFn<'_, R>,
+        validate: impl FnOnce(&OperationIr, &[TensorIr], &[TensorIr]) -> Result<()>,
+    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
+        // 1.
+        if let Err(error) = Self::refuse_reentry("FusionClient::register") {
+            return Err(hand_back(operands, error));
+        }
+        if let Some(error) = operands
+            .iter()
+            .find_map(|o| self.check_owner(o.tensor()).err())
+        {
+            return Err(hand_back(operands, error));
+        }
+
+        // 2.
+        let current = StreamId::current();
+        let locals: SmallVec<[Local<'_, R>; 4]> = operands
+            .into_iter()
+            .map(|operand| match operand {
+                Operand::Read(t) if t.stream() == current => Local::Borrowed(t),
+                Operand::Read(t) => Local::Owned(t.share()),
+                Operand::Consume(t) if t.stream() == current => Local::Owned(t),
+                Operand::Consume(t) => Local::Owned(t.share()),
+            })
+            .collect();
+
+        // 3.
+        let input_irs: SmallVec<[TensorIr; 4]> = locals
+            .iter()
+            .map(|local| match local {
+                Local::Owned(t) if Arc::strong_count(&t.inner) == 1 => {
+                    t.ir(TensorStatus::ReadWrite)
+                }
+                other => other.tensor().ir(TensorStatus::ReadOnly),
+            })
+            .collect();
+        let output_irs: SmallVec<[TensorIr; 1]> = outputs
+            .iter()
+            .map(|(shape, dtype)| TensorIr {
+                id: crate::id::fresh_tensor_id(),
+                shape: shape.clone(),
+                status: TensorStatus::NotInit,
+                dtype: *dtype,
+            })
+            .collect();
+        let (repr, executor) = build(&input_irs, &output_irs);
+        if let Err(error) = validate(&repr, &input_irs, &output_irs) {
+            let returned = locals
+                .into_iter()
+                .filter_map(|l| match l {
+                    Local::Owned(t) => Some(t),
+                    Local::Borrowed(_) => None,
+                })
+                .collect();
+            return Err(Rejected { error, returned });
+        }
+
+        // 4.
+        let pending = PendingOp {
+            name,
+            repr,
+            inputs: input_irs.iter().map(|ir| (ir.id, ir.status)).collect(),
+            outputs: output_irs.iter().map(|ir| ir.id).collect(),
+            executor,
+        };
+        let mut read_only_owned: SmallVec<[FusionTensor<R>; 2]> = SmallVec::new();
+        let home = self.inner.streams.with_current(|cell, state| {
+            for (local, ir) in locals.into_iter().zip(&input_irs) {
+                let Local::Owned(tensor) = local else {
+                    continue;
+                };
+                if ir.status == TensorStatus::ReadWrite {
+                    match Arc::try_unwrap(tensor.inner) {
+                        Ok(mut inner) => {
+                            inner.released = true;
+                            state.shared_sources.remove(&inner.id);
+                        }
+                        // Unreachable: the caller moved in the only reference. Should it happen,
+                        // keeping the reference is the safe outcome.
+                        Err(inner) => read_only_owned.push(FusionTensor { inner }),
+                    }
+                } else {
+                    read_only_owned.push(tensor);
+                }
+            }
+            state.counters.ops_registered += 1;
+            state.enqueue(QueuedOp::Op(Box::new(pending)));
+            cell.clone()
+        });
+
+        // 5.
+        drop(read_only_owned);
+        Ok(output_irs
+            .into_iter()
+            .map(|ir| FusionTensor::new(ir.id, ir.shape, ir.dtype, home.clone(), self.clone()))
+            .collect())
+    }
+}
+
+/// Builder of a custom operation; see [`FusionClient::op`].
+///
+/// ```
+/// use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+/// use burn_backend::{DType, TensorData};
+///
+/// let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+/// let x = client.from_data(TensorData::new(vec![1.0f32, 2.0], [2]))?;
+/// // An identity op: the output aliases the input's buffer.
+/// let out = client
+///     .op("identity")
+///     .read(&x)
+///     .output([2], DType::F32)
+///     .execute(|op: &burn_ir::CustomOpIr, handles: &mut burn_ir::HandleContainer<_>| {
+///         let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+///         handles.register_handle(op.outputs[0].id, input);
+///         Ok(())
+///     })
+///     .map_err(|rejected| rejected.error)?;
+/// assert_eq!(out[0].to_vec::<f32>()?, vec![1.0, 2.0]);
+/// # Ok::<(), fusion_streams::Error>(())
+/// ```
+pub struct OpBuilder<'a, R: StreamRuntime> {
+    client: &'a FusionClient<R>,
+    name: Cow<'static, str>,
+    operands: Vec<Operand<'a, R>>,
+    outputs: SmallVec<[(Shape, DType); 1]>,
+}
+
+impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
+    /// Read `tensor`; the caller keeps it.
+    pub fn read(mut self, tensor: &'a FusionTensor<R>) -> Self {
+        self.operands.push(Operand::Read(tensor));
+        self
+    }
+
+    /// Hand `tensor` to the operation. If it is the last reference to its id, the operation sees
+    /// it as `ReadWrite` and may reuse its buffer in place.
+    pub fn consume(mut self, tensor: FusionTensor<R>) -> Self {
+        self.operands.push(Operand::Consume(tensor));
+        self
+    }
+
+    /// Declare an output.
+    pub fn output(mut self, shape: impl Into<Shape>, dtype: DType) -> Self {
+        self.outputs.push((shape.into(), dtype));
+        self
+    }
+
+    /// Queue the operation with a custom executor. Returns the outputs (not yet computed).
+    pub fn execute<E: CustomExecutor<R>>(
+        self,
+        executor: E,
+    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
+        let name = self.name.clone();
+        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
+            let ir = CustomOpIr {
+                id: name.into_owned(),
+                inputs: inputs.to_vec(),
+                outputs: outputs.to_vec(),
+            };
+            let operation = CustomOperation {
+                ir: ir.clone(),
+                executor,
+                _runtime: std::marker::PhantomData,
+            };
+            (OperationIr::Custom(ir), Box::new(operation) as Box<_>)
+        });
+        self.client
+            .register(self.name, self.operands, &self.outputs, build, |_, _, _| {
+                Ok(())
+            })
+    }
+
+    /// Queue a burn [`burn_fusion::stream::Operation`] through the [`BurnOperation`] adapter.
+    ///
+    /// `build` receives the operand IRs (with their statuses) and the output IRs (fresh ids) and
+    /// returns the [`OperationIr`] to record and the operation to run, the way burn's own ops are
+    /// built. The IR must name exactly those operands and outputs; anything else is rejected with
+    /// [`Error::InvalidOperation`] and the operands handed back.
+    pub fn execute_burn<O>(
+        self,
+        build: impl FnOnce(&[TensorIr], &[TensorIr]) -> (OperationIr, O),
+    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>>
+    where
+        O: burn_fusion::stream::Operation<R> + 'static,
+    {
+        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
+            let (repr, op) = build(inputs, outputs);
+            (repr, Box::new(BurnOperation(op)) as Box<_>)
+        });
+        let name = self.name.clone();
+        self.client.register(
+            self.name,
+            self.operands,
+            &self.outputs,
+            build,
+            |repr, ins, outs| validate_repr(&name, repr, ins, outs),
+        )
+    }
+}
+
+/// The recorded IR must name exactly the registered operands and outputs.
+fn validate_repr(
+    name: &str,
+    repr: &OperationIr,
+    inputs: &[TensorIr],
+    outputs: &[TensorIr],
+) -> Result<()> {
+    let mut want_in: Vec<_> = inputs.iter().map(|t| t.id).collect();
+    let mut got_in: Vec<_> = repr.inputs().map(|t| t.id).collect();
+    let mut want_out: Vec<_> = outputs.iter().map(|t| t.id).collect();
+    let mut got_out: Vec<_> = repr.outputs().map(|t| t.id).collect();
+    for v in [&mut want_in, &mut got_in, &mut want_out, &mut got_out] {
+        v.sort_unstable();
+        v.dedup();
+    }
+    if want_in != got_in || want_out != got_out {
+        return Err(Error::InvalidOperation {
+            op: name.to_owned(),
+            detail: format!(
+                "IR names inputs {got_in:?} and outputs {got_out:?}, registered {want_in:?} and {want_out:?}"
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! # fusion-streams
+//!
+//! Correct, fast multi-thread semantics for a lazy, burn-style fusion backend.
+//!
+//! Each thread records operations lazily on its own stream. A [`FusionTensor`] is `Send + Clone`;
+//! cloned (or used) on another thread it becomes a *shared view* — a fresh id on that thread's
+//! stream aliasing the same buffer — after the source's pending producer has been materialised.
+//! Drops, reads and errors keep working across threads, nothing leaks, and no stream ever holds
+//! another stream's ids. [`MultiStream`] documents the design.
+//!
+//! ```
+//! use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+//! use burn_backend::TensorData;
+//!
+//! let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+//! let x = client.from_data(TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [4]))?;
+//! let pending = x.scale(10.0)?.add(&x)?; // queued on this thread's stream
+//!
+//! // Clone to another thread: the producer runs first, then the buffer is aliased there.
+//! let total = std::thread::scope(|s| {
+//!     s.spawn(|| pending.clone().sum()?.to_vec::<f32>()).join().unwrap()
+//! })?;
+//! assert_eq!(total, vec![110.0]);
+//!
+//! drop((x, pending));
+//! client.sync()?;
+//! assert!(client.stats().is_quiescent()); // nothing held, nothing pending
+//! # Ok::<(), fusion_streams::Error>(())
+//! ```
+//!
+//! ## Layout
+//!
+//! * [`MultiStream`] — per-stream lazy queues and handle maps, shared views, foreign drops.
+//! * [`FusionTensor`] — the user-facing tensor.
+//! * [`FusionClient`] — one device's engine: upload, built-in ops, custom and burn operations,
+//!   reads, statistics.
+//! * [`runtime`] — what the engine needs from a device ([`runtime::StreamRuntime`]), and the
+//!   embedded asynchronous CPU device [`host::HostRuntime`].
+//!
+//! ## Feature flags
+//!
+//! None yet. A `cuda` feature (a CubeCL 0.10 CUDA runtime) is planned.
+
+#![warn(missing_docs)]
+
+mod client;
+mod error;
+pub mod id;
+mod operation;
+mod ops;
+pub mod runtime;
+mod stream;
+mod tensor;
+
+pub use client::{FusionClient, OpBuilder, Operand};
+pub use error::{Error, Rejected, Result};
+pub use operation::{BurnOperation, CustomExecutor, FallibleOperation};
+pub use runtime::host;
+pub use stream::{EngineConfig, EngineStats, MultiStream, Pending};
+pub use tensor::FusionTensor;
+
+/// Re-exports of the burn vocabulary used in this crate's API.
+pub mod burn {
+    pub use burn_backend::{DType, Shape, StreamId, TensorData};
+    pub use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorId, TensorIr, TensorStatus};
+}

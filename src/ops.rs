@@ -1,0 +1,351 @@
+//! The built-in operations: validated, recorded as the burn IR a burn backend would record, and
+//! executed by the runtime's [`StreamRuntime::launch`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn_backend::{DType, Shape};
+use burn_ir::{
+    BinaryOpIr, CustomOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr,
+    NumericOperationIr, OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
+};
+use smallvec::SmallVec;
+
+use crate::client::{BuildFn, FusionClient, Operand};
+use crate::error::Rejected;
+use crate::operation::FallibleOperation;
+use crate::runtime::{Kernel, KernelInput, StreamRuntime};
+use crate::tensor::FusionTensor;
+use crate::{Error, Result};
+
+/// Runs a built-in kernel: takes the operands from the stream's handles, launches, registers the
+/// output.
+struct BuiltinExecutor<R: StreamRuntime> {
+    kernel: Kernel,
+    context: Arc<R::Context>,
+    inputs: SmallVec<[TensorIr; 2]>,
+    out: TensorIr,
+}
+
+impl<R: StreamRuntime> fmt::Debug for BuiltinExecutor<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BuiltinExecutor")
+            .field("kernel", &self.kernel)
+            .field("out", &self.out.id)
+            .finish()
+    }
+}
+
+impl<R: StreamRuntime> FallibleOperation<R> for BuiltinExecutor<R> {
+    fn execute(&self, handles: &mut HandleContainer<R::FusionHandle>) -> Result<()> {
+        let inputs = self
+            .inputs
+            .iter()
+            .map(|ir| KernelInput {
+                handle: handles.get_handle(&ir.id, &ir.status),
+                ir,
+            })
+            .collect();
+        let out = R::launch(&self.context, &self.kernel, inputs, &self.out)?;
+        handles.register_handle(self.out.id, out);
+        Ok(())
+    }
+}
+
+fn numeric(dtype: DType, op: NumericOperationIr) -> OperationIr {
+    if dtype.is_float() {
+        OperationIr::NumericFloat(dtype, op)
+    } else {
+        OperationIr::NumericInt(dtype, op)
+    }
+}
+
+/// The burn IR of a built-in kernel.
+fn kernel_ir(kernel: &Kernel, inputs: &[TensorIr], out: &TensorIr) -> OperationIr {
+    let dtype = out.dtype;
+    let out = out.clone();
+    let binary = || BinaryOpIr {
+        lhs: inputs[0].clone(),
+        rhs: inputs[1].clone(),
+        out: out.clone(),
+    };
+    match kernel {
+        Kernel::Add => numeric(dtype, NumericOperationIr::Add(binary())),
+        Kernel::Mul => numeric(dtype, NumericOperationIr::Mul(binary())),
+        Kernel::Scale(factor) => numeric(
+            dtype,
+            NumericOperationIr::MulScalar(ScalarOpIr {
+                lhs: inputs[0].clone(),
+                rhs: ScalarIr::Float(*factor),
+                out,
+            }),
+        ),
+        Kernel::Exp => OperationIr::Float(
+            dtype,
+            FloatOperationIr::Exp(UnaryOpIr {
+                input: inputs[0].clone(),
+                out,
+            }),
+        ),
+        Kernel::Sum => numeric(
+            dtype,
+            NumericOperationIr::Sum(ReduceOpIr {
+                input: inputs[0].clone(),
+                out,
+            }),
+        ),
+        Kernel::Matmul => OperationIr::Float(
+            dtype,
+            FloatOperationIr::Matmul(MatmulOpIr {
+                lhs: inputs[0].clone(),
+                rhs: inputs[1].clone(),
+                out,
+            }),
+        ),
+        Kernel::Fill(value) => numeric(
+            dtype,
+            NumericOperationIr::Full(FullOpIr {
+                out,
+                value: ScalarIr::Float(*value),
+            }),
+        ),
+        Kernel::FailOnDevice => OperationIr::Custom(CustomOpIr {
+            id: "fusion_streams::fail_on_device".to_owned(),
+            inputs: inputs.to_vec(),
+            outputs: vec![out],
+        }),
+    }
+}
+
+fn arity(kernel: &Kernel) -> usize {
+    match kernel {
+        Kernel::Add | Kernel::Mul | Kernel::Matmul => 2,
+        Kernel::Fill(_) => 0,
+        Kernel::Scale(_) | Kernel::Exp | Kernel::Sum | Kernel::FailOnDevice => 1,
+    }
+}
+
+/// Check operand shapes and dtypes; return the output's.
+fn infer_output<R: StreamRuntime>(
+    kernel: &Kernel,
+    operands: &[&FusionTensor<R>],
+) -> Result<(Shape, DType)> {
+    let op = kernel.name();
+    if operands.len() != arity(kernel) {
+        return Err(Error::InvalidOperation {
+            op: op.to_owned(),
+            detail: format!(
+                "{} operand(s) given, {} expected",
+                operands.len(),
+                arity(kernel)
+            ),
+        });
+    }
+    let first = operands[0];
+    let dtype = first.dtype();
+    if let Some(other) = operands.iter().find(|t| t.dtype() != dtype) {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: dtype,
+            found: other.dtype(),
+        });
+    }
+    if !R::supports(kernel, dtype) {
+        return Err(Error::UnsupportedDType { op, dtype });
+    }
+    let shape = match kernel {
+        Kernel::Add | Kernel::Mul => {
+            let (lhs, rhs) = (first.shape(), operands[1].shape());
+            if lhs != rhs {
+                return Err(Error::ShapeMismatch {
+                    op,
+                    detail: format!("{lhs:?} and {rhs:?} differ"),
+                });
+            }
+            lhs.clone()
+        }
+        Kernel::Matmul => {
+            let (lhs, rhs) = (first.shape(), operands[1].shape());
+            if lhs.num_dims() != 2 || rhs.num_dims() != 2 || lhs[1] != rhs[0] {
+                return Err(Error::ShapeMismatch {
+                    op,
+                    detail: format!("cannot multiply {lhs:?} by {rhs:?} (need [m, k] @ [k, n])"),
+                });
+            }
+            Shape::new([lhs[0], rhs[1]])
+        }
+        Kernel::Sum => Shape::new([1]),
+        Kernel::Scale(_) | Kernel::Exp | Kernel::FailOnDevice | Kernel::Fill(_) => {
+            first.shape().clone()
+        }
+    };
+    Ok((shape, dtype))
+}
+
+impl<R: StreamRuntime> FusionClient<R> {
+    /// Queue a built-in kernel on the current stream. Operands may be borrowed (`&tensor`) or
+    /// handed over (`tensor`, which allows in-place reuse when it is the last reference).
+    ///
+    /// A bad operand (wrong arity, shapes, dtypes, another client's tensor) is rejected before
+    /// anything is queued, and every handed-over tensor comes back in the [`Rejected`].
+    pub fn launch<'a>(
+        &self,
+        kernel: Kernel,
+        operands: Vec<Operand<'a, R>>,
+    ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
+        let checked = {
+            let refs: SmallVec<[&FusionTensor<R>; 2]> = operands
+                .iter()
+                .map(|o| match o {
+                    Operand::Read(t) => *t,
+                    Operand::Consume(t) => t,
+                })
+                .collect();
+            if matches!(kernel, Kernel::Fill(_)) {
+                Err(Error::InvalidOperation {
+                    op: "fill".to_owned(),
+                    detail: "use FusionClient::fill, which takes the shape".to_owned(),
+                })
+            } else {
+                infer_output(&kernel, &refs)
+            }
+        };
+        let (shape, dtype) = match checked {
+            Ok(out) => out,
+            Err(error) => {
+                let returned = operands
+                    .into_iter()
+                    .filter_map(|o| match o {
+                        Operand::Consume(t) => Some(t),
+                        Operand::Read(_) => None,
+                    })
+                    .collect();
+                return Err(Rejected { error, returned });
+            }
+        };
+        self.register_kernel(kernel, operands, shape, dtype)
+    }
+
+    fn register_kernel<'a>(
+        &self,
+        kernel: Kernel,
+        operands: Vec<Operand<'a, R>>,
+        shape: Shape,
+        dtype: DType,
+    ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
+        let context = self.context().clone();
+        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
+            let out = outputs[0].clone();
+            let repr = kernel_ir(&kernel, inputs, &out);
+            let executor = BuiltinExecutor::<R> {
+                kernel,
+                context,
+                inputs: inputs.iter().cloned().collect(),
+                out,
+            };
+            (repr, Box::new(executor) as Box<_>)
+        });
+        let mut outputs = self.register(
+            kernel.name().into(),
+            operands,
+            &[(shape, dtype)],
+            build,
+            |_, _, _| Ok(()),
+        )?;
+        Ok(outputs.pop().expect("one output declared"))
+    }
+
+    fn launch_ref(&self, kernel: Kernel, operands: &[&FusionTensor<R>]) -> Result<FusionTensor<R>> {
+        self.launch(kernel, operands.iter().map(|t| Operand::Read(*t)).collect())
+            .map_err(Rejected::into_error)
+    }
+
+    /// A tensor of `shape` filled with `value` (queued).
+    pub fn fill(
+        &self,
+        shape: impl Into<Shape>,
+        value: f64,
+        dtype: DType,
+    ) -> Result<FusionTensor<R>> {
+        let kernel = Kernel::Fill(value);
+        if !R::supports(&kernel, dtype) {
+            return Err(Error::UnsupportedDType { op: "fill", dtype });
+        }
+        self.register_kernel(kernel, Vec::new(), shape.into(), dtype)
+            .map_err(Rejected::into_error)
+    }
+
+    /// A tensor of `shape` filled with zeros (queued).
+    pub fn zeros(&self, shape: impl Into<Shape>, dtype: DType) -> Result<FusionTensor<R>> {
+        self.fill(shape, 0.0, dtype)
+    }
+
+    /// `lhs + rhs`, elementwise.
+    pub fn add(&self, lhs: &FusionTensor<R>, rhs: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Add, &[lhs, rhs])
+    }
+
+    /// `lhs * rhs`, elementwise.
+    pub fn mul(&self, lhs: &FusionTensor<R>, rhs: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Mul, &[lhs, rhs])
+    }
+
+    /// `input * factor`.
+    pub fn scale(&self, input: &FusionTensor<R>, factor: f64) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Scale(factor), &[input])
+    }
+
+    /// `exp(input)`, elementwise.
+    pub fn exp(&self, input: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Exp, &[input])
+    }
+
+    /// The sum of all elements, as a tensor of shape `[1]`.
+    pub fn sum(&self, input: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Sum, &[input])
+    }
+
+    /// Matrix product of `[m, k]` and `[k, n]`.
+    pub fn matmul(&self, lhs: &FusionTensor<R>, rhs: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::Matmul, &[lhs, rhs])
+    }
+
+    /// Fault injection: a copy of `input` whose kernel fails *on the device*, after dispatch.
+    /// For tests of asynchronous error paths.
+    pub fn fail_on_device(&self, input: &FusionTensor<R>) -> Result<FusionTensor<R>> {
+        self.launch_ref(Kernel::FailOnDevice, &[input])
+    }
+}
+
+/// Shorthands for the built-in operations, on the tensor's own client.
+impl<R: StreamRuntime> FusionTensor<R> {
+    /// `self + rhs`; see [`FusionClient::add`].
+    pub fn add(&self, rhs: &Self) -> Result<Self> {
+        self.client().add(self, rhs)
+    }
+
+    /// `self * rhs`; see [`FusionClient::mul`].
+    pub fn mul(&self, rhs: &Self) -> Result<Self> {
+        self.client().mul(self, rhs)
+    }
+
+    /// `self * factor`; see [`FusionClient::scale`].
+    pub fn scale(&self, factor: f64) -> Result<Self> {
+        self.client().scale(self, factor)
+    }
+
+    /// `exp(self)`; see [`FusionClient::exp`].
+    pub fn exp(&self) -> Result<Self> {
+        self.client().exp(self)
+    }
+
+    /// Sum of all elements; see [`FusionClient::sum`].
+    pub fn sum(&self) -> Result<Self> {
+        self.client().sum(self)
+    }
+
+    /// `self @ rhs`; see [`FusionClient::matmul`].
+    pub fn matmul(&self, rhs: &Self) -> Result<Self> {
+        self.client().matmul(self, rhs)
+    }
+}

@@ -1,0 +1,416 @@
+//! [`HostRuntime`]: the embedded default runtime, an asynchronous CPU device.
+//!
+//! It behaves like a GPU where ordering is concerned, so every ordering rule of the engine is
+//! exercised without one:
+//!
+//! * **Asynchronous streams.** Each stream has a worker thread; `launch` only *dispatches* a kernel
+//!   to it and returns. Work is genuinely pending until the worker gets to it.
+//! * **Cross-stream ordering.** Every buffer write has a completion [marker](marker::Marker); a
+//!   kernel waits (on its worker, never on the caller's thread) for the markers of every buffer it
+//!   reads, so a view consumed on stream B is ordered after its producer on stream A.
+//! * **No reuse under a reader.** In-flight kernels own references to the buffers they read, so a
+//!   buffer is never freed or written in place while any stream still reads it.
+//! * **Execution-time failures.** A kernel can fail on the device after a successful dispatch
+//!   ([`crate::FusionClient::fail_on_device`]); its marker records the error, kernels reading the
+//!   buffer propagate it, and the read that waits for it returns it.
+//! * **Teardown.** Dropping the last owner of the [`HostContext`] lets every worker finish what was
+//!   dispatched to it, then joins them.
+
+mod kernels;
+mod marker;
+mod worker;
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn_backend::{DType, DeviceId, DeviceOps, Shape, StreamId, TensorData};
+use burn_fusion::stream::{Context, OrderedExecution};
+use burn_fusion::{FusionRuntime, NumOperations, OperationFuser, Optimization};
+use burn_ir::{TensorIr, TensorStatus};
+use parking_lot::RwLock;
+use smallvec::SmallVec;
+
+use kernels::HostData;
+use marker::Marker;
+use worker::Workers;
+
+use crate::runtime::{Kernel, KernelInput, StreamRuntime};
+use crate::{Error, Result};
+
+/// burn's device type id for the host device (distinct from burn's own backends).
+const HOST_DEVICE_TYPE: u16 = 0x4853; // "HS"
+
+/// A host device. Each [`crate::FusionClient`] opened on it gets its own workers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct HostDevice {
+    /// Device index, for logs and for telling devices apart.
+    pub index: u16,
+}
+
+impl HostDevice {
+    /// The host device with this index.
+    pub fn new(index: u16) -> Self {
+        Self { index }
+    }
+}
+
+impl burn_backend::Device for HostDevice {
+    fn from_id(device_id: DeviceId) -> Self {
+        Self {
+            index: device_id.index_id,
+        }
+    }
+
+    fn to_id(&self) -> DeviceId {
+        DeviceId {
+            type_id: HOST_DEVICE_TYPE,
+            index_id: self.index,
+        }
+    }
+}
+
+impl DeviceOps for HostDevice {}
+
+/// Counters of the host device, for tests and examples.
+#[derive(Debug, Default)]
+struct HostCounters {
+    buffers_allocated: AtomicU64,
+    buffers_freed: AtomicU64,
+    kernels_dispatched: AtomicU64,
+    kernels_completed: AtomicU64,
+    kernels_failed: AtomicU64,
+    in_place_reuses: AtomicU64,
+}
+
+/// A snapshot of the host device's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HostStats {
+    /// Buffers allocated (uploads and kernel outputs that did not reuse an input).
+    pub buffers_allocated: u64,
+    /// Buffers freed (their last owner dropped).
+    pub buffers_freed: u64,
+    /// Kernels dispatched to the stream workers.
+    pub kernels_dispatched: u64,
+    /// Kernels that finished (successfully or not).
+    pub kernels_completed: u64,
+    /// Kernels that failed on the device, including those that propagated an input's failure.
+    pub kernels_failed: u64,
+    /// Kernels that wrote their output over their first input's buffer.
+    pub in_place_reuses: u64,
+}
+
+impl HostStats {
+    /// Buffers currently alive.
+    pub fn live_buffers(&self) -> u64 {
+        self.buffers_allocated - self.buffers_freed
+    }
+}
+
+/// A host buffer. Counts its own free.
+struct HostStorage {
+    data: RwLock<HostData>,
+    counters: Arc<HostCounters>,
+}
+
+impl HostStorage {
+    fn new(data: HostData, counters: &Arc<HostCounters>) -> Arc<Self> {
+        counters.buffers_allocated.fetch_add(1, Ordering::Relaxed);
+        Arc::new(Self {
+            data: RwLock::new(data),
+            counters: counters.clone(),
+        })
+    }
+}
+
+impl Drop for HostStorage {
+    fn drop(&mut self) {
+        self.counters.buffers_freed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A handle to a host buffer: a reference-counted buffer plus the completion marker of the write
+/// that produced its current contents.
+#[derive(Clone)]
+pub struct HostHandle {
+    storage: Arc<HostStorage>,
+    written: Arc<Marker>,
+}
+
+impl HostHandle {
+    /// Whether the write that produced this handle's contents has finished (successfully or not).
+    /// Never waits.
+    pub fn is_written(&self) -> bool {
+        self.written.poll().is_some()
+    }
+}
+
+impl fmt::Debug for HostHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostHandle")
+            .field("owners", &Arc::strong_count(&self.storage))
+            .field("written", &self.is_written())
+            .finish()
+    }
+}
+
+/// Per-client state of a host device: its stream workers and counters.
+pub struct HostContext {
+    device: HostDevice,
+    // Dropped first: waits for dispatched work, then joins the workers.
+    workers: Workers,
+    counters: Arc<HostCounters>,
+}
+
+impl HostContext {
+    /// The device.
+    pub fn device(&self) -> &HostDevice {
+        &self.device
+    }
+
+    /// The device's counters.
+    pub fn stats(&self) -> HostStats {
+        let c = &self.counters;
+        HostStats {
+            buffers_allocated: c.buffers_allocated.load(Ordering::Relaxed),
+            buffers_freed: c.buffers_freed.load(Ordering::Relaxed),
+            kernels_dispatched: c.kernels_dispatched.load(Ordering::Relaxed),
+            kernels_completed: c.kernels_completed.load(Ordering::Relaxed),
+            kernels_failed: c.kernels_failed.load(Ordering::Relaxed),
+            in_place_reuses: c.in_place_reuses.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Holds a host stream's worker; see [`HostContext::pause`]. Dropping it lets the stream run.
+#[must_use = "the stream resumes when this guard is dropped"]
+pub struct StreamPause {
+    gate: Arc<Marker>,
+}
+
+impl Drop for StreamPause {
+    fn drop(&mut self) {
+        self.gate.complete(Ok(()));
+    }
+}
+
+impl HostContext {
+    /// Hold `stream`'s worker: kernels dispatched to that stream stay pending (genuinely not
+    /// run) until the returned guard is dropped. For tests and demonstrations of asynchronous
+    /// behaviour.
+    ///
+    /// The device cannot shut down while a stream is paused: dropping the last owner of this
+    /// context waits for it, so never `mem::forget` the guard.
+    pub fn pause(&self, stream: StreamId) -> StreamPause {
+        let gate = Marker::pending();
+        let wait = gate.clone();
+        self.workers.dispatch(
+            stream.value,
+            Box::new(move || {
+                let _ = wait.wait();
+            }),
+        );
+        StreamPause { gate }
+    }
+}
+
+impl fmt::Debug for HostContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostContext")
+            .field("device", &self.device)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// The fusion optimisation type of runtimes that run every operation unfused. Uninhabited: no
+/// fuser ever produces one.
+#[derive(Debug)]
+pub enum Unfused {}
+
+impl NumOperations for Unfused {
+    fn len(&self) -> usize {
+        match *self {}
+    }
+
+    fn name(&self) -> &'static str {
+        match *self {}
+    }
+}
+
+impl<R: FusionRuntime> Optimization<R> for Unfused {
+    fn execute(&mut self, _: &mut Context<R::FusionHandle>, _: &OrderedExecution<R>) {
+        match *self {}
+    }
+
+    fn to_state(&self) -> R::OptimizationState {
+        match *self {}
+    }
+
+    fn from_state(_: &R::FusionDevice, _: R::OptimizationState) -> Self {
+        // burn only restores optimisations a fuser produced; runtimes using `Unfused` have none.
+        unreachable!("fusion-streams runtimes register no fusers")
+    }
+}
+
+/// The embedded asynchronous CPU runtime. See the [module docs](self).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostRuntime;
+
+impl FusionRuntime for HostRuntime {
+    type OptimizationState = ();
+    type Optimization = Unfused;
+    type FusionHandle = HostHandle;
+    type FusionDevice = HostDevice;
+
+    fn fusers(_: HostDevice) -> Vec<Box<dyn OperationFuser<Unfused>>> {
+        Vec::new()
+    }
+}
+
+fn to_host_data(data: &TensorData) -> Result<HostData> {
+    let bad = |e| Error::InvalidData(format!("{e:?}"));
+    match data.dtype {
+        DType::F32 => Ok(HostData::F32(data.to_vec::<f32>().map_err(bad)?)),
+        DType::I32 => Ok(HostData::I32(data.to_vec::<i32>().map_err(bad)?)),
+        dtype => Err(Error::UnsupportedDType {
+            op: "from_data",
+            dtype,
+        }),
+    }
+}
+
+impl StreamRuntime for HostRuntime {
+    type Context = HostContext;
+
+    fn name() -> &'static str {
+        "host"
+    }
+
+    fn open(device: &HostDevice) -> Result<HostContext> {
+        Ok(HostContext {
+            device: device.clone(),
+            workers: Workers::new(device.index),
+            counters: Arc::default(),
+        })
+    }
+
+    fn upload(ctx: &HostContext, data: &TensorData) -> Result<HostHandle> {
+        let host = to_host_data(data)?;
+        Ok(HostHandle {
+            storage: HostStorage::new(host, &ctx.counters),
+            written: Marker::done(),
+        })
+    }
+
+    fn read(
+        _ctx: &HostContext,
+        handle: &HostHandle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        handle.written.wait()?;
+        let data = handle.storage.data.read();
+        match (&*data, dtype) {
+            (HostData::F32(v), DType::F32) => Ok(TensorData::new(v.clone(), shape.clone())),
+            (HostData::I32(v), DType::I32) => Ok(TensorData::new(v.clone(), shape.clone())),
+            (other, _) => Err(Error::Runtime(
+                format!("buffer holds {:?}, read as {dtype:?}", other.dtype()).into(),
+            )),
+        }
+    }
+
+    fn can_mut(handle: &HostHandle) -> bool {
+        Arc::strong_count(&handle.storage) == 1
+    }
+
+    fn synchronize(ctx: &HostContext) -> Result<()> {
+        for fence in ctx.workers.fences() {
+            fence.wait()?;
+        }
+        Ok(())
+    }
+
+    fn supports(kernel: &Kernel, dtype: DType) -> bool {
+        kernels::supports(kernel, dtype)
+    }
+
+    fn launch(
+        ctx: &HostContext,
+        kernel: &Kernel,
+        inputs: Vec<KernelInput<'_, HostHandle>>,
+        out: &TensorIr,
+    ) -> Result<HostHandle> {
+        let reuse = kernels::elementwise(kernel)
+            && inputs.first().is_some_and(|first| {
+                first.ir.status == TensorStatus::ReadWrite
+                    && first.ir.dtype == out.dtype
+                    && first.ir.shape == out.shape
+                    && Self::can_mut(&first.handle)
+            });
+        let deps: SmallVec<[Arc<Marker>; 2]> =
+            inputs.iter().map(|i| i.handle.written.clone()).collect();
+        // The kernel owns its inputs until it has run: no buffer it reads can be freed or written
+        // in place before then.
+        let sources: SmallVec<[Arc<HostStorage>; 2]> =
+            inputs.into_iter().map(|i| i.handle.storage).collect();
+        let target = if reuse {
+            ctx.counters.in_place_reuses.fetch_add(1, Ordering::Relaxed);
+            sources[0].clone()
+        } else {
+            HostStorage::new(HostData::Unwritten, &ctx.counters)
+        };
+        let written = Marker::pending();
+        let handle = HostHandle {
+            storage: target.clone(),
+            written: written.clone(),
+        };
+
+        let kernel = *kernel;
+        let (shape, dtype) = (out.shape.clone(), out.dtype);
+        let counters = ctx.counters.clone();
+        counters.kernels_dispatched.fetch_add(1, Ordering::Relaxed);
+        ctx.workers.dispatch(
+            StreamId::current().value,
+            Box::new(move || {
+                let run = || -> Result<()> {
+                    for dep in &deps {
+                        dep.wait()?;
+                    }
+                    if reuse {
+                        let rest: SmallVec<[_; 2]> =
+                            sources[1..].iter().map(|s| s.data.read()).collect();
+                        let rest: SmallVec<[&HostData; 2]> = rest.iter().map(|g| &**g).collect();
+                        let mut data = target.data.write();
+                        let first = std::mem::replace(&mut *data, HostData::Unwritten);
+                        *data = kernels::compute_in_place(&kernel, first, &rest, &shape, dtype)?;
+                    } else {
+                        let guards: SmallVec<[_; 2]> =
+                            sources.iter().map(|s| s.data.read()).collect();
+                        let refs: SmallVec<[&HostData; 2]> = guards.iter().map(|g| &**g).collect();
+                        let result = kernels::compute(&kernel, &refs, &shape, dtype)?;
+                        *target.data.write() = result;
+                    }
+                    Ok(())
+                };
+                let outcome = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|payload| {
+                    Err(match Error::from_panic(kernel.name(), payload) {
+                        Error::OperationPanicked { message, .. } => Error::KernelFailed {
+                            kernel: kernel.name().into(),
+                            message,
+                        },
+                        other => other,
+                    })
+                });
+                if outcome.is_err() {
+                    counters.kernels_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                counters.kernels_completed.fetch_add(1, Ordering::Relaxed);
+                written.complete(outcome);
+            }),
+        );
+        Ok(handle)
+    }
+}

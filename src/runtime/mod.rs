@@ -1,0 +1,129 @@
+//! Runtimes: what the engine needs from a device, on top of burn's [`FusionRuntime`].
+//!
+//! burn-fusion 0.21's [`FusionRuntime`] names the handle and device types but has no way to
+//! allocate, read, alias or synchronise; its operations are infallible. [`StreamRuntime`] adds
+//! exactly those capabilities, so the engine stays generic: the embedded [`host::HostRuntime`]
+//! (an asynchronous CPU device, the default), and a CUDA runtime behind the `cuda` feature in a
+//! later release, implement it.
+
+use burn_backend::{DType, Shape, TensorData};
+use burn_fusion::FusionRuntime;
+use burn_ir::TensorIr;
+
+use crate::Result;
+
+pub mod host;
+
+/// A built-in kernel: the op set every runtime provides, enough for real programs and examples.
+///
+/// Each maps to the burn IR variant a burn backend would record for it (see
+/// [`crate::FusionClient::add`] and friends).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Kernel {
+    /// `out = lhs + rhs`, elementwise, equal shapes.
+    Add,
+    /// `out = lhs * rhs`, elementwise, equal shapes.
+    Mul,
+    /// `out = input * factor`.
+    Scale(f64),
+    /// `out = exp(input)`.
+    Exp,
+    /// `out = [sum(input)]`, shape `[1]`.
+    Sum,
+    /// `out = lhs @ rhs` for `[m, k] @ [k, n]`.
+    Matmul,
+    /// `out = value` everywhere, no inputs.
+    Fill(f64),
+    /// A kernel that dispatches normally and then fails *on the device*, at execution time:
+    /// for tests of the asynchronous error paths. `out = input` otherwise.
+    FailOnDevice,
+}
+
+impl Kernel {
+    /// A short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::Add => "add",
+            Kernel::Mul => "mul",
+            Kernel::Scale(_) => "scale",
+            Kernel::Exp => "exp",
+            Kernel::Sum => "sum",
+            Kernel::Matmul => "matmul",
+            Kernel::Fill(_) => "fill",
+            Kernel::FailOnDevice => "fail_on_device",
+        }
+    }
+}
+
+/// One kernel input, fetched from the stream's handle map by the engine.
+///
+/// `status` is the operand's [`burn_ir::TensorStatus`] for this operation: with `ReadWrite` the
+/// engine has removed the handle from the map and the kernel owns it, so it may reuse the buffer
+/// in place when [`StreamRuntime::can_mut`] allows.
+pub struct KernelInput<'a, H> {
+    /// The backend handle.
+    pub handle: H,
+    /// The operand as the operation recorded it.
+    pub ir: &'a TensorIr,
+}
+
+/// The device capabilities the engine needs beyond burn's [`FusionRuntime`].
+///
+/// # Contract
+///
+/// * Handles are reference counted: [`StreamRuntime::alias`] returns a second owner of the same
+///   buffer, and the buffer lives until the last owner drops.
+/// * [`StreamRuntime::can_mut`] is `false` while more than one owner exists (this is what makes an
+///   aliased buffer ineligible for in-place reuse).
+/// * `launch` and `upload` *dispatch*: they may return before the device has finished. The device
+///   must order a kernel after the last write of every buffer it reads, even when that write was
+///   dispatched on another stream, and must not reuse a buffer while an in-flight kernel reads it.
+/// * `read` and `synchronize` may wait for the device; the engine never calls them while it holds
+///   a lock.
+pub trait StreamRuntime: FusionRuntime {
+    /// Per-device state: allocator, streams, worker threads, counters.
+    type Context: Send + Sync + 'static;
+
+    /// Short runtime name for logs.
+    fn name() -> &'static str;
+
+    /// Bring up the device. Called once per [`crate::FusionClient`].
+    fn open(device: &Self::FusionDevice) -> Result<Self::Context>;
+
+    /// Copy host data into a new device buffer.
+    fn upload(ctx: &Self::Context, data: &TensorData) -> Result<Self::FusionHandle>;
+
+    /// Wait for the buffer's last write and copy it to the host.
+    ///
+    /// A kernel failure recorded on the buffer is returned as the error.
+    fn read(
+        ctx: &Self::Context,
+        handle: &Self::FusionHandle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData>;
+
+    /// A second owner of the same buffer (the alias hook burn 0.21 lacks).
+    fn alias(handle: &Self::FusionHandle) -> Self::FusionHandle {
+        handle.clone()
+    }
+
+    /// Whether `handle` is the only owner of its buffer, so a kernel may write it in place.
+    fn can_mut(handle: &Self::FusionHandle) -> bool;
+
+    /// Wait until everything dispatched on any stream of this device has finished.
+    fn synchronize(ctx: &Self::Context) -> Result<()>;
+
+    /// Whether the runtime implements `kernel` for `dtype`.
+    fn supports(kernel: &Kernel, dtype: DType) -> bool;
+
+    /// Dispatch `kernel` on the current stream ([`burn_backend::StreamId::current`]) and return the
+    /// output handle without waiting for it.
+    fn launch(
+        ctx: &Self::Context,
+        kernel: &Kernel,
+        inputs: Vec<KernelInput<'_, Self::FusionHandle>>,
+        out: &TensorIr,
+    ) -> Result<Self::FusionHandle>;
+}

@@ -1,0 +1,101 @@
+//! Per-thread helpers: a cache of the current stream, and the drain that runs when a thread exits.
+//!
+//! # Current-stream cache
+//!
+//! Registering an operation needs the state of the current stream. Looking it up in the engine's
+//! map takes a shared read lock whose counter every registering thread would bump, so each thread
+//! remembers the last stream it used (a `Weak`, so a cache entry never keeps an engine's state
+//! alive after the engine is gone).
+//!
+//! # Exit drain
+//!
+//! A thread may leave work queued on its stream and exit. Nothing would ever run that work, and
+//! frees deferred behind it would never happen. Each thread therefore remembers the streams it used
+//! and, when it exits, drains them ([`ThreadExitHook`]); a stream left empty is retired from its
+//! engine.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Weak};
+
+use burn_backend::StreamId;
+
+/// Something to run when a thread that used `stream` exits.
+pub(crate) trait ThreadExitHook: Send + Sync {
+    fn on_thread_exit(&self, stream: StreamId);
+}
+
+struct Cached {
+    engine: u64,
+    stream: u64,
+    cell: Weak<dyn Any + Send + Sync>,
+}
+
+struct ExitHooks(RefCell<Vec<(u64, Weak<dyn ThreadExitHook>, StreamId)>>);
+
+impl Drop for ExitHooks {
+    fn drop(&mut self) {
+        for (_, hook, stream) in self.0.get_mut().drain(..) {
+            if let Some(hook) = hook.upgrade() {
+                // A panic here would abort the process: contain it, the drain is best effort.
+                let _ = catch_unwind(AssertUnwindSafe(|| hook.on_thread_exit(stream)));
+            }
+        }
+    }
+}
+
+std::thread_local! {
+    static CURRENT: RefCell<Option<Cached>> = const { RefCell::new(None) };
+    static EXIT_HOOKS: ExitHooks = const { ExitHooks(RefCell::new(Vec::new())) };
+}
+
+/// The cached cell of `stream` in engine `engine`, if this thread has it.
+pub(crate) fn cached<T: Any + Send + Sync>(engine: u64, stream: StreamId) -> Option<Arc<T>> {
+    CURRENT
+        .try_with(|current| {
+            let current = current.borrow();
+            let cached = current.as_ref()?;
+            if cached.engine != engine || cached.stream != stream.value {
+                return None;
+            }
+            cached.cell.upgrade()?.downcast::<T>().ok()
+        })
+        .ok()
+        .flatten()
+}
+
+/// Remember `cell` as this thread's current stream of `engine`.
+pub(crate) fn cache<T: Any + Send + Sync>(engine: u64, stream: StreamId, cell: &Arc<T>) {
+    let erased: Arc<dyn Any + Send + Sync> = cell.clone();
+    let _ = CURRENT.try_with(|current| {
+        *current.borrow_mut() = Some(Cached {
+            engine,
+            stream: stream.value,
+            cell: Arc::downgrade(&erased),
+        });
+    });
+}
+
+/// Forget the cached stream (it was retired).
+pub(crate) fn evict(engine: u64) {
+    let _ = CURRENT.try_with(|current| {
+        let mut current = current.borrow_mut();
+        if current.as_ref().is_some_and(|c| c.engine == engine) {
+            *current = None;
+        }
+    });
+}
+
+/// Run `hook` for `stream` when this thread exits (once per engine and stream).
+pub(crate) fn on_exit(engine: u64, hook: Weak<dyn ThreadExitHook>, stream: StreamId) {
+    let _ = EXIT_HOOKS.try_with(|hooks| {
+        let mut hooks = hooks.0.borrow_mut();
+        // Forget hooks of engines that are gone, so a long-lived thread that uses many engines
+        // does not accumulate them.
+        hooks.retain(|(_, hook, _)| hook.strong_count() > 0);
+        if !hooks.iter().any(|(e, _, s)| *e == engine && *s == stream) {
+            hooks.push((engine, hook, stream));
+        }
+    });
+}

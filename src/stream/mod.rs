@@ -1,0 +1,500 @@
+//! The multi-stream engine: per-thread lazy queues, shared views, foreign drops.
+
+mod cell;
+mod execution;
+mod local;
+mod state;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use burn_backend::StreamId;
+use burn_ir::TensorId;
+use hashbrown::HashMap;
+use parking_lot::{Mutex, RwLock};
+
+pub(crate) use cell::{InboxMessage, StreamCell, in_engine};
+pub(crate) use state::{Entry, PendingOp, QueuedOp, StreamCounters, StreamState};
+
+use crate::runtime::StreamRuntime;
+use crate::{Error, Result};
+
+/// Engine settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// Queue length at which a stream executes what it has, without waiting for a read, a share
+    /// or a sync. Bounds the memory of pending work and the delay of deferred frees. At least 1.
+    pub max_queue_len: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { max_queue_len: 32 }
+    }
+}
+
+impl EngineConfig {
+    /// Settings with the given queue bound (clamped to at least 1).
+    pub fn with_max_queue_len(mut self, max_queue_len: usize) -> Self {
+        self.max_queue_len = max_queue_len.max(1);
+        self
+    }
+}
+
+/// What the engine did and what it holds, summed over its streams.
+///
+/// Counters (`ops_*`, `drains`, `shares`, ...) only grow. Gauges (`streams`, `pending_ops`,
+/// `live_handles`, `error_records`, `shared_sources`) describe the moment of the snapshot. A
+/// snapshot taken while other threads work is a sum of per-stream snapshots, not one atomic view.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// Streams with state in the engine.
+    pub streams: usize,
+    /// Operations queued and not yet executed.
+    pub pending_ops: usize,
+    /// Backend handles held (originals and views).
+    pub live_handles: usize,
+    /// Error records held (tensors whose producer failed).
+    pub error_records: usize,
+    /// Size of `shared_sources`, over all streams.
+    pub shared_sources: usize,
+    /// Frees waiting for a pending segment to run.
+    pub deferred_frees_pending: usize,
+    /// Operations registered (drops not included).
+    pub ops_registered: u64,
+    /// Operations executed (including skipped and failed ones).
+    pub ops_executed: u64,
+    /// Operations whose executor failed or panicked.
+    pub ops_failed: u64,
+    /// Operations skipped because an input carried an error.
+    pub ops_skipped: u64,
+    /// Times a queue reached its bound and executed.
+    pub lazy_flushes: u64,
+    /// Drains that executed a non-empty queue (reads, syncs, shares).
+    pub drains: u64,
+    /// Shares of a source with no handle yet, which drained the source's stream.
+    pub share_drains: u64,
+    /// Shared views created (cross-stream clones and foreign operands).
+    pub shares: u64,
+    /// Shares that found the source already materialised and skipped the drain.
+    pub share_fast_paths: u64,
+    /// Last-tensor drops on the home thread (enqueued frees).
+    pub home_drops: u64,
+    /// Last-tensor drops from other threads (or from inside the engine).
+    pub foreign_drops: u64,
+    /// Foreign drops that had to wait for a pending segment.
+    pub deferred_frees: u64,
+    /// Handles and error records released.
+    pub frees: u64,
+}
+
+impl EngineStats {
+    fn add_counters(&mut self, c: &StreamCounters) {
+        self.ops_registered += c.ops_registered;
+        self.ops_executed += c.ops_executed;
+        self.ops_failed += c.ops_failed;
+        self.ops_skipped += c.ops_skipped;
+        self.lazy_flushes += c.lazy_flushes;
+        self.drains += c.drains;
+        self.share_drains += c.share_drains;
+        self.shares += c.shares;
+        self.share_fast_paths += c.share_fast_paths;
+        self.home_drops += c.home_drops;
+        self.foreign_drops += c.foreign_drops;
+        self.deferred_frees += c.deferred_frees;
+        self.frees += c.frees;
+    }
+
+    /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.
+    pub fn is_quiescent(&self) -> bool {
+        self.pending_ops == 0
+            && self.live_handles == 0
+            && self.error_records == 0
+            && self.shared_sources == 0
+            && self.deferred_frees_pending == 0
+    }
+}
+
+/// A queued entry, as returned by [`MultiStream::pending`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Pending {
+    /// An operation, as burn's IR records it.
+    Operation(burn_ir::OperationIr),
+    /// A free of the tensor's handle (the last drop on its home thread).
+    Drop(TensorId),
+}
+
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+/// Keep track of multiple concurrent lazy streams of operations.
+///
+/// # Why this exists
+///
+/// Each stream holds a lazy queue of operations whose inputs are assumed to live on that stream:
+/// every [`TensorId`] in a queue resolves in that stream's handle map, against that stream's
+/// pending chain. But a [`crate::FusionTensor`] is `Send + Clone`, so user code moves and clones
+/// tensors from one thread (one [`StreamId`]) to another, and the receiving thread then submits
+/// operations that read a tensor whose home is another stream. This type makes that case correct
+/// without giving up stream locality.
+///
+/// # Strategy: shared views
+///
+/// A foreign-stream id never appears in another stream's queue. When a tensor is cloned on, or
+/// used as an operand by, a thread whose current stream is not the tensor's home, the engine mints
+/// a fresh id `dst` on the current stream and *tags a shared view* of the source `src`:
+///
+/// 1. **Materialise `src`.** If `src` has neither a handle nor an error record yet, its producer is
+///    still queued on the source stream, so that stream is drained (its pending operations run,
+///    on the source stream, from this thread). `src` is then remembered in `shared_sources` so
+///    that later shares of it skip the drain.
+/// 2. **Alias the handle under `dst`.** `dst` is registered on the current stream with a second
+///    owner of the source's backend handle ([`StreamRuntime::alias`]). Both ids now point at the
+///    same buffer; it lives until the last alias is freed. If `src` carries an error instead, the
+///    error is registered under `dst`: a share of an errored tensor carries its error.
+///
+/// The view is an ordinary local tensor from then on.
+///
+/// # Freeing
+///
+/// Each tensor frees its id on its own home stream. On the home thread the last drop enqueues a
+/// drop behind the pending operations (which may still read the id). From any other thread it is
+/// a *foreign drop*, which never touches the home queue: it frees at once when nothing is pending
+/// there, and otherwise defers the free until the pending segment has run. An original and its
+/// views are separate ids on separate streams, each freed by its own side; the buffer goes with
+/// the last one. A thread that exits drains the streams it used, so deferred frees and queued
+/// work never outlive it.
+///
+/// # Bounding `shared_sources`
+///
+/// An entry leaves `shared_sources` the moment the last live tensor of its id goes away —
+/// dropped on the home thread, dropped on a foreign thread, consumed by an operation (a
+/// `ReadWrite` use) or consumed by a read — without waiting for the free to run. No later share
+/// can name that id, so removing the entry can never cause a redundant drain.
+///
+/// # The SSA invariant
+///
+/// Every operation output is a fresh id from a process-wide allocator ([`crate::id`]); a
+/// registered handle is never overwritten, except by an error record when its producer fails.
+/// Once `src` has a handle, nothing changes it, which is what makes skipping the drain on later
+/// shares sound. Debug builds check that every output is fresh before its operation runs.
+///
+/// In-place reuse of an input buffer is gated by [`StreamRuntime::can_mut`], which is false while
+/// a view holds a second owner: aliased buffers are never written in place.
+///
+/// # The chained-share fast path
+///
+/// Re-sharing a view (owner → peer → grandpeer) finds the peer's id already registered — the view
+/// was registered directly, not produced by a queued operation — so the drain is skipped by the
+/// handle-existence test alone, even though the peer id never entered `shared_sources`.
+///
+/// # Where this implementation differs from burn-fusion's, and why
+///
+/// * **One handle map per stream, not per device.** Stream locality already means every id lives
+///   in exactly one stream's map, so the map partitions for free. Each stream has its own lock;
+///   threads working on their own streams never contend, and cross-stream work (a share, a foreign
+///   drop) takes the two locks one after the other, never nested.
+/// * **An operand's status is decided under the home stream's lock**, in the same critical section
+///   that enqueues the operation. burn's `FusionTensor::into_ir` decides `ReadOnly` and drops the
+///   tensor *before* the operation is enqueued, so a concurrent last drop on another thread can free
+///   the id first ("Should have handle for tensor").
+/// * **Drops and clones never block on a lock their thread holds.** Inside an executing operation,
+///   or while unwinding out of the engine, they post to the target stream's inbox instead (see
+///   `StreamCell`), and public calls return [`Error::Reentrant`].
+/// * **Errors travel with the data** (see [`crate::Error`]); `drain` reports nothing.
+pub struct MultiStream<R: StreamRuntime> {
+    key: u64,
+    config: EngineConfig,
+    streams: RwLock<HashMap<StreamId, Arc<StreamCell<R>>>>,
+    /// Counters of retired streams, so the totals never go backwards.
+    retired: Mutex<StreamCounters>,
+    this: Weak<Self>,
+}
+
+impl<R: StreamRuntime> MultiStream<R> {
+    pub(crate) fn new(config: EngineConfig) -> Arc<Self> {
+        Arc::new_cyclic(|this| Self {
+            key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            config: EngineConfig {
+                max_queue_len: config.max_queue_len.max(1),
+            },
+            streams: RwLock::new(HashMap::new()),
+            retired: Mutex::new(StreamCounters::default()),
+            this: this.clone(),
+        })
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> EngineConfig {
+        self.config
+    }
+
+    /// The state of stream `id`, created on first use.
+    fn cell(&self, id: StreamId) -> Arc<StreamCell<R>> {
+        if let Some(cell) = self.streams.read().get(&id) {
+            return cell.clone();
+        }
+        self.streams
+            .write()
+            .entry(id)
+            .or_insert_with(|| Arc::new(StreamCell::new(id, self.config.max_queue_len)))
+            .clone()
+    }
+
+    /// The state of the current thread's stream.
+    pub(crate) fn current(&self) -> Arc<StreamCell<R>> {
+        let id = StreamId::current();
+        if let Some(cell) = local::cached::<StreamCell<R>>(self.key, id) {
+            return cell;
+        }
+        let cell = self.cell(id);
+        local::cache(self.key, id, &cell);
+        let hook: Weak<dyn local::ThreadExitHook> = self.this.clone();
+        local::on_exit(self.key, hook, id);
+        cell
+    }
+
+    /// Run `f` with the current stream locked. Retries with a fresh state if the cached one was
+    /// retired in the meantime.
+    pub(crate) fn with_current<T>(
+        &self,
+        f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T,
+    ) -> T {
+        loop {
+            let cell = self.current();
+            let mut state = cell.lock();
+            if state.retired {
+                drop(state);
+                local::evict(self.key);
+                continue;
+            }
+            return f(&cell, &mut state);
+        }
+    }
+
+    /// Run stream `id`'s pending segment to completion.
+    ///
+    /// Reports nothing. An operation that fails leaves its error on the tensors it was going to
+    /// write, so it is delivered by the read of one of those tensors — where a caller is actually
+    /// waiting for that data — and not to whoever happened to drain the stream next. Called from
+    /// inside an executing operation it does nothing (it would have to wait for itself).
+    pub fn drain(&self, id: StreamId) {
+        if in_engine() {
+            return;
+        }
+        let cell = self.streams.read().get(&id).cloned();
+        if let Some(cell) = cell {
+            cell.lock().drain();
+        }
+    }
+
+    /// Drain every stream of this engine.
+    pub fn drain_all(&self) {
+        if in_engine() {
+            return;
+        }
+        for cell in self.cells() {
+            cell.lock().drain();
+        }
+    }
+
+    /// The operations queued on stream `id`, in order (inspection and tests).
+    pub fn pending(&self, id: StreamId) -> Vec<Pending> {
+        let Some(cell) = self.streams.read().get(&id).cloned() else {
+            return Vec::new();
+        };
+        let state = cell.lock();
+        state
+            .queue
+            .iter()
+            .map(|op| match op {
+                QueuedOp::Drop(id) => Pending::Drop(*id),
+                QueuedOp::Op(op) => Pending::Operation(op.repr.clone()),
+            })
+            .collect()
+    }
+
+    /// Whether stream `id`'s map holds a handle or an error record for `tensor`.
+    pub fn holds(&self, id: StreamId, tensor: TensorId) -> bool {
+        let cell = self.streams.read().get(&id).cloned();
+        cell.is_some_and(|cell| cell.lock().is_materialised(&tensor))
+    }
+
+    fn cells(&self) -> Vec<Arc<StreamCell<R>>> {
+        self.streams.read().values().cloned().collect()
+    }
+
+    /// Set up a cross-stream alias of `src`, whose home is `src_home`, on the current stream.
+    /// Returns the new id and its home.
+    ///
+    /// Called when [`crate::FusionTensor`]'s `clone`, or an operation using it as an operand,
+    /// finds that the tensor's home stream is not the current stream. In short:
+    ///
+    /// * If `src`'s handle is not materialised yet, drain `src_home` so its producer runs. Skip
+    ///   the drain on later shares of the same source by remembering it in `shared_sources`, or
+    ///   by observing that the handle already exists (which covers a chained share, where `src`
+    ///   is itself a view).
+    /// * Then alias the handle under a fresh id on the current stream: both ids share the buffer
+    ///   until each side is freed.
+    pub(crate) fn tag_shared_view(
+        &self,
+        src_home: &Arc<StreamCell<R>>,
+        src: TensorId,
+    ) -> (TensorId, Arc<StreamCell<R>>) {
+        let dst = crate::id::fresh_tensor_id();
+        if in_engine() {
+            // Cloning inside an executor: the source stream may be the one we are executing.
+            let current = self.current();
+            current.post(InboxMessage::Register(
+                dst,
+                Entry::Failed(Error::Reentrant {
+                    what: "FusionTensor::clone",
+                }),
+            ));
+            return (dst, current);
+        }
+
+        let entry = {
+            let mut source = src_home.lock();
+            source.counters.shares += 1;
+            if source.shared_sources.contains(&src) || source.is_materialised(&src) {
+                source.counters.share_fast_paths += 1;
+            } else if source.materialise(&src) {
+                source.counters.share_drains += 1;
+                source.shared_sources.insert(src);
+            }
+            source.entry(&src, "share")
+        };
+
+        let home = self.with_current(|cell, state| {
+            state.register_entry(dst, entry);
+            cell.clone()
+        });
+        (dst, home)
+    }
+
+    /// Read access to `id` on `home`: drains if its producer is pending, and returns a second
+    /// owner of its handle (or its error record).
+    pub(crate) fn read_entry(
+        &self,
+        home: &Arc<StreamCell<R>>,
+        id: TensorId,
+    ) -> Result<Entry<R::FusionHandle>> {
+        if in_engine() {
+            return Err(Error::Reentrant {
+                what: "FusionTensor::read",
+            });
+        }
+        let mut state = home.lock();
+        state.materialise(&id);
+        Ok(state.entry(&id, "read"))
+    }
+
+    /// Mark a tensor as read by its last live owner: drains if needed, then takes the handle out
+    /// of the map (the read consumes the id) and drops its `shared_sources` entry.
+    pub(crate) fn mark_read(
+        &self,
+        home: &Arc<StreamCell<R>>,
+        id: TensorId,
+    ) -> Result<Entry<R::FusionHandle>> {
+        if in_engine() {
+            return Err(Error::Reentrant {
+                what: "FusionTensor::into_data",
+            });
+        }
+        let mut state = home.lock();
+        state.materialise(&id);
+        let entry = state.take_entry(&id, "read");
+        self.retire_if_orphan_empty(home, &mut state);
+        Ok(entry)
+    }
+
+    /// The last live tensor of `id` went away: free it on its home stream.
+    pub(crate) fn release(&self, home: &Arc<StreamCell<R>>, id: TensorId) {
+        if in_engine() {
+            home.post(InboxMessage::Free(id));
+            return;
+        }
+        let mut state = home.lock();
+        if state.retired {
+            return;
+        }
+        if StreamId::current() == home.id {
+            state.home_drop(id);
+        } else {
+            self.foreign_drop(home, &mut state, id);
+        }
+    }
+
+    /// Free `id` from a thread other than its home's: never touches the home queue; frees now if
+    /// nothing is pending there, otherwise once the pending segment has run.
+    fn foreign_drop(&self, home: &Arc<StreamCell<R>>, state: &mut StreamState<R>, id: TensorId) {
+        state.foreign_drop(id);
+        self.retire_if_orphan_empty(home, state);
+    }
+
+    fn retire_if_orphan_empty(&self, cell: &Arc<StreamCell<R>>, state: &mut StreamState<R>) {
+        if state.orphaned && state.is_empty() {
+            self.retire(cell, state);
+        }
+    }
+
+    /// Remove an empty stream from the map. Lock order: stream, then map (never the reverse).
+    fn retire(&self, cell: &Arc<StreamCell<R>>, state: &mut StreamState<R>) {
+        state.retired = true;
+        self.retired.lock().add(&state.counters);
+        let mut streams = self.streams.write();
+        if streams.get(&cell.id).is_some_and(|c| Arc::ptr_eq(c, cell)) {
+            streams.remove(&cell.id);
+        }
+    }
+
+    /// What the engine did and what it holds.
+    pub fn stats(&self) -> EngineStats {
+        let mut stats = EngineStats::default();
+        for cell in self.cells() {
+            let state = cell.lock();
+            if state.retired {
+                continue;
+            }
+            stats.streams += 1;
+            stats.pending_ops += state.queue.len();
+            stats.live_handles += state.handles.num_handles();
+            stats.error_records += state.errors.len();
+            stats.shared_sources += state.shared_sources.len();
+            stats.deferred_frees_pending += state.deferred_frees.len();
+            stats.add_counters(&state.counters);
+        }
+        stats.add_counters(&self.retired.lock());
+        stats
+    }
+}
+
+impl<R: StreamRuntime> local::ThreadExitHook for MultiStream<R> {
+    fn on_thread_exit(&self, stream: StreamId) {
+        let Some(cell) = self.streams.read().get(&stream).cloned() else {
+            return;
+        };
+        let mut state = cell.lock();
+        if state.retired {
+            return;
+        }
+        state.drain();
+        if state.is_empty() {
+            self.retire(&cell, &mut state);
+        } else {
+            state.orphaned = true;
+        }
+    }
+}
+
+impl<R: StreamRuntime> std::fmt::Debug for MultiStream<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiStream")
+            .field("streams", &self.streams.read().len())
+            .field("config", &self.config)
+            .finish()
+    }
+}

@@ -1,0 +1,237 @@
+//! The state of one stream: its lazy queue, the handles of the tensors it is home to, their error
+//! records, and the bookkeeping for shares and frees.
+
+use std::borrow::Cow;
+
+use burn_backend::StreamId;
+use burn_ir::{HandleContainer, OperationIr, TensorId, TensorStatus};
+use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
+
+use crate::Error;
+use crate::operation::FallibleOperation;
+use crate::runtime::StreamRuntime;
+
+/// What the engine knows about a materialised tensor: a backend handle, or the error that
+/// prevented it from being produced.
+pub(crate) enum Entry<H> {
+    Handle(H),
+    Failed(Error),
+}
+
+/// An operation waiting in a stream's queue.
+pub(crate) struct PendingOp<R: StreamRuntime> {
+    pub(crate) name: Cow<'static, str>,
+    /// The operation as burn's IR records it. Kept for inspection (and a future fuser); execution
+    /// uses the compact lists below.
+    pub(crate) repr: OperationIr,
+    pub(crate) inputs: SmallVec<[(TensorId, TensorStatus); 2]>,
+    pub(crate) outputs: SmallVec<[TensorId; 1]>,
+    pub(crate) executor: Box<dyn FallibleOperation<R>>,
+}
+
+/// A queue entry. Drops are the most common entry and need no executor, so they get their own
+/// small variant.
+pub(crate) enum QueuedOp<R: StreamRuntime> {
+    Drop(TensorId),
+    Op(Box<PendingOp<R>>),
+}
+
+/// Per-stream counters. Plain integers: they are only touched under the stream's lock, so threads
+/// on different streams never share a cache line for them. [`crate::EngineStats`] sums them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StreamCounters {
+    pub(crate) ops_registered: u64,
+    pub(crate) ops_executed: u64,
+    pub(crate) ops_failed: u64,
+    pub(crate) ops_skipped: u64,
+    pub(crate) lazy_flushes: u64,
+    pub(crate) drains: u64,
+    pub(crate) share_drains: u64,
+    pub(crate) shares: u64,
+    pub(crate) share_fast_paths: u64,
+    pub(crate) home_drops: u64,
+    pub(crate) foreign_drops: u64,
+    pub(crate) deferred_frees: u64,
+    pub(crate) frees: u64,
+}
+
+impl StreamCounters {
+    pub(crate) fn add(&mut self, other: &StreamCounters) {
+        self.ops_registered += other.ops_registered;
+        self.ops_executed += other.ops_executed;
+        self.ops_failed += other.ops_failed;
+        self.ops_skipped += other.ops_skipped;
+        self.lazy_flushes += other.lazy_flushes;
+        self.drains += other.drains;
+        self.share_drains += other.share_drains;
+        self.shares += other.shares;
+        self.share_fast_paths += other.share_fast_paths;
+        self.home_drops += other.home_drops;
+        self.foreign_drops += other.foreign_drops;
+        self.deferred_frees += other.deferred_frees;
+        self.frees += other.frees;
+    }
+}
+
+/// Everything one stream owns. Only ever accessed under its [`super::cell::StreamCell`]'s lock.
+pub(crate) struct StreamState<R: StreamRuntime> {
+    pub(crate) id: StreamId,
+    pub(crate) max_queue_len: usize,
+    pub(crate) queue: Vec<QueuedOp<R>>,
+    /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
+    pub(crate) handles: HandleContainer<R::FusionHandle>,
+    /// Error records: tensors whose producer failed. Disjoint from `handles`.
+    pub(crate) errors: HashMap<TensorId, Error>,
+    /// Sources that needed a drain to be shared; see [`crate::MultiStream`], "Bounding
+    /// `shared_sources`".
+    pub(crate) shared_sources: HashSet<TensorId>,
+    /// Ids dropped from another thread while operations were pending here.
+    pub(crate) deferred_frees: Vec<TensorId>,
+    pub(crate) counters: StreamCounters,
+    /// Set when the stream was removed from the engine's map (its thread exited and it became
+    /// empty). A retired state is never used again; a later user of the id gets a fresh one.
+    pub(crate) retired: bool,
+    /// Set when the thread that used this stream exited while it still held tensors that live on
+    /// elsewhere; the stream is retired once those are gone.
+    pub(crate) orphaned: bool,
+}
+
+impl<R: StreamRuntime> StreamState<R> {
+    pub(crate) fn new(id: StreamId, max_queue_len: usize) -> Self {
+        Self {
+            id,
+            max_queue_len,
+            queue: Vec::new(),
+            handles: HandleContainer::new(),
+            errors: HashMap::new(),
+            shared_sources: HashSet::new(),
+            deferred_frees: Vec::new(),
+            counters: StreamCounters::default(),
+            retired: false,
+            orphaned: false,
+        }
+    }
+
+    /// Nothing pending, nothing held.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+            && self.handles.num_handles() == 0
+            && self.errors.is_empty()
+            && self.deferred_frees.is_empty()
+            && self.shared_sources.is_empty()
+    }
+
+    /// Whether `id` has been produced (successfully or not).
+    pub(crate) fn is_materialised(&self, id: &TensorId) -> bool {
+        self.handles.has_handle(id) || self.errors.contains_key(id)
+    }
+
+    /// A second owner of `id`'s handle, or its error record.
+    pub(crate) fn entry(&self, id: &TensorId, op: &str) -> Entry<R::FusionHandle> {
+        if let Some(handle) = self.handles.get_handle_ref(id) {
+            Entry::Handle(R::alias(handle))
+        } else if let Some(error) = self.errors.get(id) {
+            Entry::Failed(error.clone())
+        } else {
+            Entry::Failed(Error::MissingHandle {
+                op: op.into(),
+                id: *id,
+            })
+        }
+    }
+
+    /// Remove `id`'s handle or error record, taking it.
+    pub(crate) fn take_entry(&mut self, id: &TensorId, op: &str) -> Entry<R::FusionHandle> {
+        self.shared_sources.remove(id);
+        if let Some(burn_ir::Handle::Existing(handle)) = self.handles.remove_handle(*id) {
+            self.counters.frees += 1;
+            Entry::Handle(handle)
+        } else if let Some(error) = self.errors.remove(id) {
+            self.counters.frees += 1;
+            Entry::Failed(error)
+        } else {
+            Entry::Failed(Error::MissingHandle {
+                op: op.into(),
+                id: *id,
+            })
+        }
+    }
+
+    /// Register a handle or an error record under a fresh id.
+    pub(crate) fn register_entry(&mut self, id: TensorId, entry: Entry<R::FusionHandle>) {
+        debug_assert!(
+            !self.is_materialised(&id),
+            "SSA: {id} registered twice on {}",
+            self.id
+        );
+        match entry {
+            Entry::Handle(handle) => self.handles.register_handle(id, handle),
+            Entry::Failed(error) => {
+                self.errors.insert(id, error);
+            }
+        }
+    }
+
+    /// Release `id`'s handle or error record now.
+    pub(crate) fn free(&mut self, id: TensorId) {
+        let had_handle = self.handles.remove_handle(id).is_some();
+        let had_error = self.errors.remove(&id).is_some();
+        if had_handle || had_error {
+            self.counters.frees += 1;
+        }
+    }
+
+    /// A drop of `id`'s last live tensor on its home thread: enqueue the free behind the
+    /// operations already queued (which may still read `id`).
+    pub(crate) fn home_drop(&mut self, id: TensorId) {
+        self.counters.home_drops += 1;
+        // The last live tensor is gone, so no share can name `id` again: the entry can go now,
+        // without waiting for the free to run.
+        self.shared_sources.remove(&id);
+        self.enqueue(QueuedOp::Drop(id));
+    }
+
+    /// A drop of `id`'s last live tensor from a thread that is not its home (or that cannot take
+    /// the home queue right now). Never touches the queue: frees at once when nothing is pending,
+    /// otherwise after the pending segment has run.
+    pub(crate) fn foreign_drop(&mut self, id: TensorId) {
+        self.counters.foreign_drops += 1;
+        self.shared_sources.remove(&id);
+        if self.queue.is_empty() {
+            self.free(id);
+        } else {
+            // Conservative: a pending operation may read (or still has to produce) `id`. The
+            // queue is bounded by `max_queue_len`, so the free waits at most that many ops.
+            self.counters.deferred_frees += 1;
+            self.deferred_frees.push(id);
+        }
+    }
+
+    /// Add an operation; run the queue when it reaches its bound.
+    pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
+        self.queue.push(op);
+        if self.queue.len() >= self.max_queue_len {
+            self.counters.lazy_flushes += 1;
+            self.execute_all();
+        }
+    }
+
+    /// Run the pending segment, then the frees that were waiting for it.
+    pub(crate) fn drain(&mut self) {
+        if !self.queue.is_empty() {
+            self.counters.drains += 1;
+        }
+        self.execute_all();
+    }
+
+    /// Make sure `id` is produced, draining if its producer is still queued. Returns whether a
+    /// drain ran.
+    pub(crate) fn materialise(&mut self, id: &TensorId) -> bool {
+        if self.is_materialised(id) || self.queue.is_empty() {
+            return false;
+        }
+        self.drain();
+        true
+    }
+}

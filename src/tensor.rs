@@ -1,0 +1,208 @@
+//! [`FusionTensor`]: a lazily computed tensor that can cross threads.
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn_backend::{DType, Element, Shape, StreamId, TensorData};
+use burn_ir::{TensorId, TensorIr, TensorStatus};
+
+use crate::client::FusionClient;
+use crate::runtime::StreamRuntime;
+use crate::stream::StreamCell;
+use crate::{Error, Result};
+
+/// One id's worth of tensor. Every [`FusionTensor`] of the same id on the same stream shares one
+/// `TensorInner`; its `Arc` count *is* the id's live count, so the last drop is exactly the drop
+/// of the `TensorInner`.
+pub(crate) struct TensorInner<R: StreamRuntime> {
+    pub(crate) id: TensorId,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    /// The stream whose handle map holds this id.
+    pub(crate) home: Arc<StreamCell<R>>,
+    pub(crate) client: FusionClient<R>,
+    /// Set when the id's last reference was handed to an operation (`ReadWrite`) or to a consuming
+    /// read: the engine frees it then, so the drop must not.
+    pub(crate) released: bool,
+}
+
+impl<R: StreamRuntime> Drop for TensorInner<R> {
+    fn drop(&mut self) {
+        // No early return while panicking (burn's workaround leaks the handle): `release` never
+        // blocks on a lock this thread holds, so it is safe during unwinding too.
+        if !self.released {
+            self.client.streams().release(&self.home, self.id);
+        }
+    }
+}
+
+/// A tensor of a [`FusionClient`]: lazily computed on the stream of the thread that created it,
+/// `Send`, and `Clone` across threads.
+///
+/// * **Home stream.** A tensor lives on the stream that produced it ([`FusionTensor::stream`]):
+///   its backend handle is in that stream's map, and its producer, if still pending, is in that
+///   stream's queue.
+/// * **Clone.** On the home stream, a clone is a reference-count bump (same id). On any other
+///   stream it is a *shared view*: a fresh id on the current stream, aliasing the same buffer,
+///   after the source's pending producer has been materialised (see [`crate::MultiStream`]).
+/// * **Use as an operand** from another stream likewise goes through a shared view; a foreign id
+///   never enters the current stream's queue.
+/// * **Drop.** The last drop of an id on its home thread enqueues a free behind the pending work;
+///   from any other thread it is a foreign drop that never touches the home queue.
+/// * **Read.** [`FusionTensor::read`] returns the data, or the error that prevented it from being
+///   produced (an error travels from a failing operation to everything computed from it).
+///
+/// ```
+/// use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+/// use burn_backend::TensorData;
+///
+/// let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+/// let x = client.from_data(TensorData::new(vec![1.0f32, 2.0, 3.0], [3]))?;
+/// let y = x.scale(2.0)?; // queued, not run
+///
+/// // Another thread gets a shared view: y's producer runs first, then y's buffer is aliased.
+/// let z = std::thread::spawn(move || y.clone().add(&y).unwrap()).join().unwrap();
+/// assert_eq!(z.to_vec::<f32>()?, vec![4.0, 8.0, 12.0]);
+/// # Ok::<(), fusion_streams::Error>(())
+/// ```
+pub struct FusionTensor<R: StreamRuntime> {
+    pub(crate) inner: Arc<TensorInner<R>>,
+}
+
+impl<R: StreamRuntime> FusionTensor<R> {
+    pub(crate) fn new(
+        id: TensorId,
+        shape: Shape,
+        dtype: DType,
+        home: Arc<StreamCell<R>>,
+        client: FusionClient<R>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(TensorInner {
+                id,
+                shape,
+                dtype,
+                home,
+                client,
+                released: false,
+            }),
+        }
+    }
+
+    /// The tensor's id on its home stream.
+    pub fn id(&self) -> TensorId {
+        self.inner.id
+    }
+
+    /// The tensor's shape.
+    pub fn shape(&self) -> &Shape {
+        &self.inner.shape
+    }
+
+    /// The tensor's data type.
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    /// The tensor's home stream.
+    pub fn stream(&self) -> StreamId {
+        self.inner.home.id
+    }
+
+    /// Whether the current thread's stream is this tensor's home.
+    pub fn is_local(&self) -> bool {
+        StreamId::current() == self.inner.home.id
+    }
+
+    /// The client this tensor belongs to.
+    pub fn client(&self) -> &FusionClient<R> {
+        &self.inner.client
+    }
+
+    /// Number of live [`FusionTensor`]s with this id (on its home stream).
+    pub fn live_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// The intermediate representation of this tensor used as an operand with `status`.
+    pub(crate) fn ir(&self, status: TensorStatus) -> TensorIr {
+        TensorIr {
+            id: self.inner.id,
+            shape: self.inner.shape.clone(),
+            status,
+            dtype: self.inner.dtype,
+        }
+    }
+
+    /// A shared view of this tensor on the current stream (see [`crate::MultiStream`]).
+    pub(crate) fn share(&self) -> Self {
+        let client = &self.inner.client;
+        let (id, home) = client
+            .streams()
+            .tag_shared_view(&self.inner.home, self.inner.id);
+        Self::new(
+            id,
+            self.inner.shape.clone(),
+            self.inner.dtype,
+            home,
+            client.clone(),
+        )
+    }
+
+    /// Copy the tensor to the host, waiting for the device.
+    ///
+    /// Runs the home stream's pending work first if this tensor has not been produced yet (from
+    /// any thread). Returns the error recorded on the tensor if its producer, or anything it was
+    /// computed from, failed.
+    pub fn read(&self) -> Result<TensorData> {
+        let inner = &self.inner;
+        let entry = inner.client.streams().read_entry(&inner.home, inner.id)?;
+        inner.client.read_entry(entry, &inner.shape, inner.dtype)
+    }
+
+    /// Like [`FusionTensor::read`], consuming the tensor: when it is the last reference to its id,
+    /// the handle leaves the engine at once (a consuming read).
+    pub fn into_data(self) -> Result<TensorData> {
+        match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => {
+                let entry = inner.client.streams().mark_read(&inner.home, inner.id);
+                if entry.is_ok() {
+                    inner.released = true;
+                }
+                inner.client.read_entry(entry?, &inner.shape, inner.dtype)
+            }
+            Err(inner) => FusionTensor { inner }.read(),
+        }
+    }
+
+    /// Read the tensor as a `Vec<E>`.
+    pub fn to_vec<E: Element>(&self) -> Result<Vec<E>> {
+        self.read()?
+            .into_vec::<E>()
+            .map_err(|e| Error::InvalidData(format!("{e:?}")))
+    }
+}
+
+impl<R: StreamRuntime> Clone for FusionTensor<R> {
+    /// Same stream: another reference to the same id. Another stream: a shared view.
+    fn clone(&self) -> Self {
+        if self.is_local() {
+            Self {
+                inner: self.inner.clone(),
+            }
+        } else {
+            self.share()
+        }
+    }
+}
+
+impl<R: StreamRuntime> fmt::Debug for FusionTensor<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FusionTensor")
+            .field("id", &self.inner.id)
+            .field("shape", &self.inner.shape)
+            .field("dtype", &self.inner.dtype)
+            .field("stream", &self.inner.home.id)
+            .finish()
+    }
+}

@@ -1,0 +1,100 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::mpsc::{Sender, channel};
+use std::thread::JoinHandle;
+
+use burn_backend::TensorData;
+use fusion_streams::host::{HostDevice, HostRuntime, HostStats};
+use fusion_streams::{EngineConfig, FusionClient, FusionTensor};
+
+pub type Client = FusionClient<HostRuntime>;
+pub type Tensor = FusionTensor<HostRuntime>;
+
+/// A fresh engine on a host device, with a queue bound large enough that nothing executes
+/// unless a test asks for it.
+pub fn client() -> Client {
+    FusionClient::with_config(
+        HostDevice::default(),
+        EngineConfig::default().with_max_queue_len(1024),
+    )
+    .expect("host device")
+}
+
+pub fn f32s(client: &Client, values: &[f32]) -> Tensor {
+    client
+        .from_data(TensorData::new(values.to_vec(), [values.len()]))
+        .expect("upload")
+}
+
+pub fn values(tensor: &Tensor) -> Vec<f32> {
+    tensor.to_vec::<f32>().expect("read")
+}
+
+pub fn host(client: &Client) -> HostStats {
+    client.context().stats()
+}
+
+/// Wait for every dispatched kernel, so buffer counters are final.
+pub fn settle(client: &Client) {
+    client.sync().expect("sync");
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread that stays alive between steps, so its stream (and the views it holds) persist.
+pub struct Peer {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Peer {
+    pub fn spawn() -> Self {
+        let (jobs, queue) = channel::<Job>();
+        let thread = std::thread::spawn(move || {
+            for job in queue {
+                job();
+            }
+        });
+        Self {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        }
+    }
+
+    /// Run `f` on this thread and return its result.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = channel();
+        self.jobs
+            .as_ref()
+            .unwrap()
+            .send(Box::new(move || {
+                let _ = tx.send(f());
+            }))
+            .unwrap();
+        rx.recv().expect("peer thread panicked")
+    }
+
+    /// The peer's stream id.
+    pub fn stream(&self) -> burn_backend::StreamId {
+        self.run(burn_backend::StreamId::current)
+    }
+
+    /// End the thread (its exit drain runs) and wait for it.
+    pub fn join(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            thread.join().expect("peer thread panicked");
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
