@@ -3,7 +3,7 @@
 //! The SSA invariant (see [`crate::MultiStream`]) needs every operation output to carry an id that
 //! was never used before, by any engine, on any thread. A single `AtomicU64::fetch_add` gives that,
 //! but with many threads registering operations at once the counter's cache line bounces between
-//! cores on every op. Each thread therefore reserves a block of [`BLOCK`] ids with one atomic add
+//! cores on every op. Each thread therefore reserves a block of 1,024 ids with one atomic add
 //! and hands them out locally. Ids stay unique process-wide; they are no longer globally ordered by
 //! creation time, which nothing relies on.
 

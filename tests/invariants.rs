@@ -340,11 +340,11 @@ fn builtins_record_burn_ir() {
     let x = f32s(&c, &[1.0]);
     let _y = x.exp().unwrap();
     let pending = c.streams().pending(StreamId::current());
+    let [Pending::Operation(op)] = pending.as_slice() else {
+        panic!("expected one queued operation, found {pending:?}");
+    };
     assert!(matches!(
-        pending.as_slice(),
-        [Pending::Operation(OperationIr::Float(
-            DType::F32,
-            burn_ir::FloatOperationIr::Exp(_)
-        ))]
+        **op,
+        OperationIr::Float(DType::F32, burn_ir::FloatOperationIr::Exp(_))
     ));
 }

@@ -147,3 +147,61 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Property: in debug builds, an operation whose output id already holds a handle is refused
+    //! (recorded as an SSA violation) instead of overwriting the handle.
+    use super::*;
+    use crate::host::HostRuntime;
+    use crate::operation::FallibleOperation;
+    use burn_backend::{StreamId, TensorData};
+    use burn_ir::{HandleContainer, OperationIr, TensorId};
+
+    #[derive(Debug)]
+    struct Overwrite(
+        TensorId,
+        <HostRuntime as burn_fusion::FusionRuntime>::FusionHandle,
+    );
+
+    impl FallibleOperation<HostRuntime> for Overwrite {
+        fn execute(
+            &self,
+            handles: &mut HandleContainer<
+                <HostRuntime as burn_fusion::FusionRuntime>::FusionHandle,
+            >,
+        ) -> crate::Result<()> {
+            handles.register_handle(self.0, self.1.clone());
+            Ok(())
+        }
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    fn an_output_id_that_already_has_a_handle_is_an_ssa_violation() {
+        let ctx = HostRuntime::open(&Default::default()).unwrap();
+        let upload = |v: f32| HostRuntime::upload(&ctx, &TensorData::new(vec![v], [1])).unwrap();
+        let mut state = StreamState::<HostRuntime>::new(StreamId::current(), 8);
+        let existing = crate::id::fresh_tensor_id();
+        state.handles.register_handle(existing, upload(1.0));
+        let op = PendingOp {
+            name: "overwrite".into(),
+            repr: OperationIr::Drop(burn_ir::TensorIr {
+                id: existing,
+                shape: [1].into(),
+                status: TensorStatus::NotInit,
+                dtype: burn_backend::DType::F32,
+            }),
+            inputs: Default::default(),
+            outputs: [existing].into_iter().collect(),
+            executor: Box::new(Overwrite(existing, upload(2.0))),
+        };
+        state.enqueue(QueuedOp::Op(Box::new(op)));
+        state.drain();
+        assert!(matches!(
+            state.errors.get(&existing),
+            Some(Error::SsaViolation { id, .. }) if *id == existing
+        ));
+        assert_eq!(state.counters.ops_failed, 1);
+    }
+}

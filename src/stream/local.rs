@@ -32,7 +32,10 @@ struct Cached {
     cell: Weak<dyn Any + Send + Sync>,
 }
 
-struct ExitHooks(RefCell<Vec<(u64, Weak<dyn ThreadExitHook>, StreamId)>>);
+/// (engine key, the engine, a stream this thread used on it).
+type ExitHook = (u64, Weak<dyn ThreadExitHook>, StreamId);
+
+struct ExitHooks(RefCell<Vec<ExitHook>>);
 
 impl Drop for ExitHooks {
     fn drop(&mut self) {

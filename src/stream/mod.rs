@@ -122,7 +122,7 @@ impl EngineStats {
 #[non_exhaustive]
 pub enum Pending {
     /// An operation, as burn's IR records it.
-    Operation(burn_ir::OperationIr),
+    Operation(Box<burn_ir::OperationIr>),
     /// A free of the tensor's handle (the last drop on its home thread).
     Drop(TensorId),
 }
@@ -311,7 +311,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             .iter()
             .map(|op| match op {
                 QueuedOp::Drop(id) => Pending::Drop(*id),
-                QueuedOp::Op(op) => Pending::Operation(op.repr.clone()),
+                QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr.clone())),
             })
             .collect()
     }

@@ -80,7 +80,7 @@ pub(crate) fn compute(
         (Kernel::Sum, [I32(a)]) => I32(vec![a.iter().fold(0i32, |s, x| s.wrapping_add(*x))]),
         (Kernel::Matmul, [F32(a), F32(b)]) => {
             let (m, n) = (out_shape[0], out_shape[1]);
-            let k = if m == 0 { 0 } else { a.len() / m };
+            let k = a.len().checked_div(m).unwrap_or(0);
             let mut c = vec![0.0f32; m * n];
             for i in 0..m {
                 for p in 0..k {

@@ -5,7 +5,7 @@
 //!
 //! * **Asynchronous streams.** Each stream has a worker thread; `launch` only *dispatches* a kernel
 //!   to it and returns. Work is genuinely pending until the worker gets to it.
-//! * **Cross-stream ordering.** Every buffer write has a completion [marker](marker::Marker); a
+//! * **Cross-stream ordering.** Every buffer write has a completion marker; a
 //!   kernel waits (on its worker, never on the caller's thread) for the markers of every buffer it
 //!   reads, so a view consumed on stream B is ordered after its producer on stream A.
 //! * **No reuse under a reader.** In-flight kernels own references to the buffers they read, so a

@@ -1,0 +1,314 @@
+//! Tensors crossing threads: shares of pending, materialised and chained sources; every drop
+//! order of an original and its alias; foreign drops of tensors still being read; thread exit.
+
+mod common;
+
+use burn_backend::StreamId;
+use common::*;
+use fusion_streams::runtime::Kernel;
+use fusion_streams::{EngineConfig, FusionClient, Operand};
+
+/// A clone of a pending source on another thread drains the source stream, then aliases.
+#[test]
+fn clone_of_pending_source_drains_then_aliases() {
+    let c = client();
+    let main = StreamId::current();
+    let x = f32s(&c, &[1.0, 2.0, 3.0]);
+    let y = x.scale(2.0).unwrap();
+    assert!(!c.streams().holds(main, y.id()), "y is still pending");
+
+    let peer = Peer::spawn();
+    let peer_stream = peer.stream();
+    let y2 = y.clone();
+    let view = peer.run(move || y2.clone());
+
+    assert_ne!(view.id(), y.id(), "a view is a fresh id");
+    assert_eq!(view.stream(), peer_stream, "homed on the receiving stream");
+    assert!(
+        c.streams().holds(main, y.id()),
+        "source materialised by the drain"
+    );
+    assert!(
+        c.streams().holds(peer_stream, view.id()),
+        "alias registered"
+    );
+    let s = c.stats();
+    assert_eq!((s.shares, s.share_drains, s.drains), (1, 1, 1));
+    assert_eq!(values(&view), vec![2.0, 4.0, 6.0]);
+}
+
+/// A clone of a materialised source does not drain.
+#[test]
+fn clone_of_materialised_source_does_not_drain() {
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let y = x.scale(2.0).unwrap();
+    assert_eq!(values(&y), vec![2.0, 4.0]); // the read materialised y
+    let drains_before = c.stats().drains;
+
+    let peer = Peer::spawn();
+    let (x2, y2) = (x.clone(), y.clone());
+    let (vx, vy) = peer.run(move || (x2.clone(), y2.clone()));
+    let s = c.stats();
+    assert_eq!(s.share_drains, 0);
+    assert_eq!(s.share_fast_paths, 2);
+    assert_eq!(s.drains, drains_before, "no drain for materialised sources");
+    assert_eq!(s.shared_sources, 0, "only drained sources are tracked");
+    assert_eq!(values(&vx), vec![1.0, 2.0]);
+    assert_eq!(values(&vy), vec![2.0, 4.0]);
+}
+
+/// owner → peer → grandpeer: the second share finds the peer's id registered and skips the drain.
+#[test]
+fn chained_share_owner_peer_grandpeer_drains_once() {
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let y = x.scale(10.0).unwrap(); // pending on owner
+
+    let (peer, grandpeer) = (Peer::spawn(), Peer::spawn());
+    let y2 = y.clone();
+    let at_peer = peer.run(move || y2.clone());
+    let p2 = at_peer.clone(); // on main: at_peer is foreign here too, so this is itself a share
+    let s = c.stats();
+    assert_eq!((s.shares, s.share_drains), (2, 1));
+
+    let at_grandpeer = grandpeer.run(move || p2.clone());
+    let s = c.stats();
+    assert_eq!(s.shares, 3);
+    assert_eq!(s.share_drains, 1, "no second drain along the chain");
+    assert_eq!(s.shared_sources, 1, "only the owner's source was tracked");
+    assert_eq!(values(&at_grandpeer), vec![10.0, 20.0]);
+    drop((y, at_peer, at_grandpeer));
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Home,
+    Foreign,
+}
+
+/// Every drop order of an original and its alias, each on its home or a foreign thread: the
+/// buffer stays alive until the last one and is freed exactly once.
+#[test]
+fn every_drop_order_frees_the_buffer_exactly_once_at_the_last() {
+    for original_first in [true, false] {
+        for original_side in [Side::Home, Side::Foreign] {
+            for alias_side in [Side::Home, Side::Foreign] {
+                let case = format!(
+                    "original first: {original_first}, original on {original_side:?}, alias on {alias_side:?}"
+                );
+                let c = client();
+                let original = f32s(&c, &[7.0, 8.0]);
+                let peer = Peer::spawn();
+                let o2 = original.clone();
+                let alias = peer.run(move || o2.clone());
+                assert_eq!(host(&c).live_buffers(), 1, "{case}: one buffer, two ids");
+
+                let drop_original = |t: Tensor| match original_side {
+                    Side::Home => drop(t),
+                    Side::Foreign => peer.run(move || drop(t)),
+                };
+                let drop_alias = |t: Tensor| match alias_side {
+                    Side::Home => peer.run(move || drop(t)),
+                    Side::Foreign => drop(t),
+                };
+                let flush = || {
+                    c.streams().drain_all();
+                    settle(&c);
+                };
+
+                let survivor = if original_first {
+                    drop_original(original);
+                    flush();
+                    alias
+                } else {
+                    drop_alias(alias);
+                    flush();
+                    original
+                };
+                assert_eq!(host(&c).live_buffers(), 1, "{case}: freed too early");
+                assert_eq!(c.stats().live_handles, 1, "{case}");
+                // A read from any thread reads on the home stream: no view is minted.
+                assert_eq!(
+                    values(&survivor),
+                    vec![7.0, 8.0],
+                    "{case}: survivor lost its data"
+                );
+
+                if original_first {
+                    drop_alias(survivor);
+                } else {
+                    drop_original(survivor);
+                }
+                flush();
+                let h = host(&c);
+                assert_eq!(h.buffers_allocated, 1, "{case}");
+                assert_eq!(h.buffers_freed, 1, "{case}: freed exactly once");
+                let s = c.stats();
+                assert_eq!(s.live_handles, 0, "{case}");
+                assert_eq!(s.frees, 2, "{case}: each id freed once");
+                peer.join();
+            }
+        }
+    }
+}
+
+/// A foreign drop of a tensor that a pending op on its home stream still reads is deferred until
+/// that op has run.
+#[test]
+fn foreign_drop_of_a_tensor_still_read_by_a_pending_op_is_deferred() {
+    let c = client();
+    let main = StreamId::current();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let y = x.scale(3.0).unwrap(); // pending, reads x
+    let x_id = x.id();
+    let queued = c.streams().pending(main);
+
+    let peer = Peer::spawn();
+    peer.run(move || drop(x));
+    let s = c.stats();
+    assert_eq!((s.foreign_drops, s.deferred_frees), (1, 1));
+    assert!(
+        c.streams().holds(main, x_id),
+        "x is still needed by the pending op"
+    );
+    assert_eq!(c.streams().pending(main), queued, "home queue untouched");
+
+    assert_eq!(values(&y), vec![3.0, 6.0]);
+    assert!(!c.streams().holds(main, x_id), "freed once the reader ran");
+    assert_eq!(c.stats().deferred_frees_pending, 0);
+}
+
+/// A tensor used as an operand on another thread goes through a view; the op on the other thread
+/// consumes the view, never the original.
+#[test]
+fn foreign_operands_are_used_through_views() {
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let y = x.scale(2.0).unwrap();
+    let peer = Peer::spawn();
+    let (y2, x2) = (y.clone(), x.clone());
+    let z = peer.run(move || {
+        let z = y2.mul(&x2).unwrap();
+        drop((y2, x2));
+        z
+    });
+    assert_eq!(values(&z), vec![2.0, 8.0]);
+    assert_eq!(values(&y), vec![2.0, 4.0], "original unaffected");
+    let s = c.stats();
+    assert_eq!(s.shares, 2);
+    assert_eq!(s.share_drains, 1);
+}
+
+/// A consumed foreign operand is handed over through its view: the original id is released
+/// (foreign drop), the op consumes the view.
+#[test]
+fn consumed_foreign_operand_releases_the_original() {
+    let c = client();
+    let main = StreamId::current();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let x_id = x.id();
+    let peer = Peer::spawn();
+    let z = peer.run(move || {
+        let client = x.client().clone();
+        client
+            .launch(Kernel::Exp, vec![Operand::Consume(x)])
+            .unwrap()
+    });
+    assert!(
+        !c.streams().holds(main, x_id),
+        "original freed by the foreign drop"
+    );
+    let got = values(&z);
+    assert!((got[0] - 1f32.exp()).abs() < 1e-6 && (got[1] - 2f32.exp()).abs() < 1e-5);
+}
+
+/// A thread that exits with work queued has it run by its exit drain; nothing is left behind.
+#[test]
+fn thread_exit_drains_pending_work_and_deferred_frees() {
+    let c = client();
+    let c2 = c.clone();
+    let (y, kept) = std::thread::spawn(move || {
+        let x = f32s(&c2, &[1.0, 2.0]);
+        let y = x.scale(4.0).unwrap();
+        let kept = x.add(&x).unwrap();
+        (y, kept) // x dropped here: a queued home drop
+    })
+    .join()
+    .unwrap();
+    let s = c.stats();
+    assert_eq!(s.pending_ops, 0, "exit drain ran the queue");
+    assert!(s.drains >= 1);
+    assert_eq!(values(&y), vec![4.0, 8.0]);
+    assert_eq!(values(&kept), vec![2.0, 4.0]);
+    drop((y, kept)); // foreign drops into the exited thread's stream
+    settle(&c);
+    let s = c.stats();
+    assert!(s.is_quiescent(), "{s:?}");
+    // Main never registered anything (reads and foreign drops do not create a stream), and the
+    // exited thread's stream was retired once its last tensor was gone.
+    assert_eq!(s.streams, 0, "{s:?}");
+    assert_eq!(host(&c).live_buffers(), 0);
+}
+
+/// A stream executes what it has once its queue reaches the configured bound.
+#[test]
+fn queue_executes_at_its_bound() {
+    let c = FusionClient::with_config(
+        fusion_streams::host::HostDevice::default(),
+        EngineConfig::default().with_max_queue_len(4),
+    )
+    .unwrap();
+    let x = f32s(&c, &[1.0]);
+    let a = x.scale(2.0).unwrap();
+    let b = a.scale(2.0).unwrap();
+    let d = b.scale(2.0).unwrap();
+    assert_eq!(c.stats().pending_ops, 3);
+    assert_eq!(c.stats().lazy_flushes, 0);
+    let e = d.scale(2.0).unwrap();
+    let s = c.stats();
+    assert_eq!((s.pending_ops, s.lazy_flushes, s.ops_executed), (0, 1, 4));
+    assert_eq!(values(&e), vec![16.0]);
+}
+
+/// Drops during a panic (of the user's thread, and inside an executor) neither deadlock nor
+/// abort, and leak nothing.
+#[test]
+fn drops_during_a_panic_do_not_deadlock_and_leak_nothing() {
+    let c = client();
+    let x = f32s(&c, &[1.0]);
+    let (c2, x2) = (c.clone(), x.clone());
+    let outcome = std::thread::spawn(move || {
+        let pending = x2.scale(2.0).unwrap();
+        let view_of_nothing = c2.fill([3], 1.0, burn_backend::DType::F32).unwrap();
+        let _held = (pending, view_of_nothing, x2);
+        panic!("user code panics while holding tensors");
+    })
+    .join();
+    assert!(outcome.is_err());
+
+    // An executor that panics while it owns tensors (dropped while unwinding under the lock).
+    let captured = x.scale(1.0).unwrap();
+    let out = c
+        .op("panics")
+        .read(&x)
+        .output([1], burn_backend::DType::F32)
+        .execute(
+            move |_: &burn_ir::CustomOpIr,
+                  _: &mut burn_ir::HandleContainer<fusion_streams::host::HostHandle>| {
+                let _owned = captured.clone();
+                panic!("executor panics")
+            },
+        )
+        .unwrap()
+        .remove(0);
+    assert!(matches!(
+        out.read().unwrap_err(),
+        fusion_streams::Error::OperationPanicked { .. }
+    ));
+    drop((out, x));
+    c.streams().drain_all();
+    settle(&c);
+    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_eq!(host(&c).live_buffers(), 0);
+}
