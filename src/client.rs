@@ -9,11 +9,12 @@ use burn_ir::{CustomOpIr, OperationIr, TensorIr, TensorStatus};
 use smallvec::SmallVec;
 
 use crate::error::Rejected;
-use crate::operation::{BurnOperation, CustomExecutor, CustomOperation, FallibleOperation};
-use crate::runtime::StreamRuntime;
-use crate::stream::{
-    EngineConfig, EngineStats, Entry, MultiStream, PendingOp, QueuedOp, in_engine,
+use crate::operation::{
+    BurnOperation, CustomExecutor, CustomOperation, FallibleOperation, WithRepr,
 };
+use crate::runtime::StreamRuntime;
+use crate::stream::IntoQueued;
+use crate::stream::{EngineConfig, EngineStats, Entry, MultiStream, in_engine};
 use crate::tensor::FusionTensor;
 use crate::{Error, Result};
 
@@ -85,7 +86,7 @@ impl<R: StreamRuntime> From<FusionTensor<R>> for Operand<'_, R> {
 }
 
 impl<R: StreamRuntime> Operand<'_, R> {
-    fn tensor(&self) -> &FusionTensor<R> {
+    pub(crate) fn tensor(&self) -> &FusionTensor<R> {
         match self {
             Operand::Read(t) => t,
             Operand::Consume(t) => t,
@@ -108,9 +109,12 @@ impl<R: StreamRuntime> Local<'_, R> {
     }
 }
 
+/// Operands of one operation (most have one or two).
+pub(crate) type Operands<'a, R> = SmallVec<[Operand<'a, R>; 2]>;
+
 /// Hand back the tensors a rejected call took by value.
-fn hand_back<R: StreamRuntime>(
-    operands: Vec<Operand<'_, R>>,
+pub(crate) fn hand_back<R: StreamRuntime>(
+    operands: Operands<'_, R>,
     error: Error,
 ) -> Rejected<FusionTensor<R>> {
     let returned = operands
@@ -123,10 +127,6 @@ fn hand_back<R: StreamRuntime>(
     Rejected { error, returned }
 }
 
-/// Builds the IR and executor of an operation from its operand and output IRs.
-pub(crate) type BuildFn<'b, R> =
-    Box<dyn FnOnce(&[TensorIr], &[TensorIr]) -> (OperationIr, Box<dyn FallibleOperation<R>>) + 'b>;
-
 impl<R: StreamRuntime> FusionClient<R> {
     /// Open `device` with the default [`EngineConfig`].
     pub fn new(device: R::FusionDevice) -> Result<Self> {
@@ -138,7 +138,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let context = Arc::new(R::open(&device)?);
         Ok(Self {
             inner: Arc::new(ClientInner {
-                streams: MultiStream::new(config),
+                streams: MultiStream::new(config, context.clone()),
                 context,
                 device,
             }),
@@ -241,7 +241,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         OpBuilder {
             client: self,
             name: name.into(),
-            operands: Vec::new(),
+            operands: SmallVec::new(),
             outputs: SmallVec::new(),
         }
     }
@@ -267,19 +267,20 @@ impl<R: StreamRuntime> FusionClient<R> {
     /// 2. Turn foreign operands into shared views on the current stream (outside any lock).
     /// 3. Decide each operand's status tentatively: an owned operand that is the last reference to
     ///    its id is `ReadWrite`, everything else `ReadOnly`. Mint fresh output ids and build the
-    ///    IR and executor (user code, outside any lock). `validate` may still reject here.
+    ///    operation (user code, outside any lock). `validate` may still reject here.
     /// 4. Under the current stream's lock, commit the statuses (a `ReadWrite` operand is released
     ///    to the operation and leaves `shared_sources`) and enqueue.
-    /// 5. After the lock, drop the `ReadOnly` owned operands: a last drop now lands behind the
-    ///    operation that reads them.
-    pub(crate) fn register(
+    /// 5. After the lock, drop the `ReadOnly` owned operands (a last drop now lands behind the
+    ///    operation that reads them) and hand out the outputs. An output reuses the allocation of a
+    ///    `ReadWrite` operand when there is one: a chain of consuming operations allocates no
+    ///    tensor structs and touches no shared reference count.
+    pub(crate) fn register<B: IntoQueued<R>>(
         &self,
-        name: Cow<'static, str>,
-        operands: Vec<Operand<'_, R>>,
-        outputs: &[(Shape, DType)],
-        build: BuildFn<'_, R>,
-        validate: impl FnOnce(&OperationIr, &[TensorIr], &[TensorIr]) -> Result<()>,
-    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
+        operands: Operands<'_, R>,
+        outputs: SmallVec<[(Shape, DType); 1]>,
+        build: impl FnOnce(SmallVec<[TensorIr; 2]>, SmallVec<[TensorIr; 1]>) -> B,
+        validate: impl FnOnce(&B) -> Result<()>,
+    ) -> Result<SmallVec<[FusionTensor<R>; 1]>, Rejected<FusionTensor<R>>> {
         // 1.
         if let Err(error) = Self::refuse_reentry("FusionClient::register") {
             return Err(hand_back(operands, error));
@@ -293,37 +294,28 @@ impl<R: StreamRuntime> FusionClient<R> {
 
         // 2.
         let current = StreamId::current();
-        let locals: SmallVec<[Local<'_, R>; 4]> = operands
-            .into_iter()
-            .map(|operand| match operand {
+        let mut locals: SmallVec<[Local<'_, R>; 2]> =
+            crate::small::collect(operands.into_iter().map(|operand| match operand {
                 Operand::Read(t) if t.stream() == current => Local::Borrowed(t),
                 Operand::Read(t) => Local::Owned(t.share()),
                 Operand::Consume(t) if t.stream() == current => Local::Owned(t),
                 Operand::Consume(t) => Local::Owned(t.share()),
-            })
-            .collect();
+            }));
 
-        // 3.
-        let input_irs: SmallVec<[TensorIr; 4]> = locals
-            .iter()
-            .map(|local| match local {
-                Local::Owned(t) if Arc::strong_count(&t.inner) == 1 => {
-                    t.ir(TensorStatus::ReadWrite)
-                }
-                other => other.tensor().ir(TensorStatus::ReadOnly),
-            })
-            .collect();
-        let output_irs: SmallVec<[TensorIr; 1]> = outputs
-            .iter()
-            .map(|(shape, dtype)| TensorIr {
+        // 3. The IRs move into the operation's body; the engine reads them there.
+        let input_irs = crate::small::collect(locals.iter().map(|local| match local {
+            Local::Owned(t) if Arc::strong_count(&t.inner) == 1 => t.ir(TensorStatus::ReadWrite),
+            other => other.tensor().ir(TensorStatus::ReadOnly),
+        }));
+        let output_irs =
+            crate::small::collect(outputs.into_iter().map(|(shape, dtype)| TensorIr {
                 id: crate::id::fresh_tensor_id(),
-                shape: shape.clone(),
+                shape,
                 status: TensorStatus::NotInit,
-                dtype: *dtype,
-            })
-            .collect();
-        let (repr, executor) = build(&input_irs, &output_irs);
-        if let Err(error) = validate(&repr, &input_irs, &output_irs) {
+                dtype,
+            }));
+        let body = build(input_irs, output_irs);
+        if let Err(error) = validate(&body) {
             let returned = locals
                 .into_iter()
                 .filter_map(|l| match l {
@@ -333,46 +325,67 @@ impl<R: StreamRuntime> FusionClient<R> {
                 .collect();
             return Err(Rejected { error, returned });
         }
-
         // 4.
-        let pending = PendingOp {
-            name,
-            repr,
-            inputs: input_irs.iter().map(|ir| (ir.id, ir.status)).collect(),
-            outputs: output_irs.iter().map(|ir| ir.id).collect(),
-            executor,
-        };
+        let mut consumed: SmallVec<[FusionTensor<R>; 1]> = SmallVec::new();
         let mut read_only_owned: SmallVec<[FusionTensor<R>; 2]> = SmallVec::new();
-        let home = self.inner.streams.with_current(|cell, state| {
-            for (local, ir) in locals.into_iter().zip(&input_irs) {
-                let Local::Owned(tensor) = local else {
+        let outputs = self.inner.streams.with_current(|cell, state| {
+            for (local, ir) in locals.drain(..).zip(body.inputs()) {
+                let Local::Owned(mut tensor) = local else {
                     continue;
                 };
-                if ir.status == TensorStatus::ReadWrite {
-                    match Arc::try_unwrap(tensor.inner) {
-                        Ok(mut inner) => {
-                            inner.released = true;
-                            state.shared_sources.remove(&inner.id);
-                        }
-                        // Unreachable: the caller moved in the only reference. Should it happen,
-                        // keeping the reference is the safe outcome.
-                        Err(inner) => read_only_owned.push(FusionTensor { inner }),
+                match Arc::get_mut(&mut tensor.inner) {
+                    Some(inner) if ir.status == TensorStatus::ReadWrite => {
+                        // The operation owns the id now: this struct must not free it.
+                        inner.released = true;
+                        state.shared_sources.remove(&inner.id);
+                        consumed.push(tensor);
                     }
-                } else {
-                    read_only_owned.push(tensor);
+                    _ => read_only_owned.push(tensor),
                 }
             }
+            let outputs: SmallVec<[FusionTensor<R>; 1]> = crate::small::collect(
+                body.outputs()
+                    .iter()
+                    .map(|out| self.output_tensor(out, cell, consumed.pop())),
+            );
             state.counters.ops_registered += 1;
-            state.enqueue(QueuedOp::Op(Box::new(pending)));
-            cell.clone()
+            state.enqueue(body.into_queued());
+            outputs
         });
 
         // 5.
         drop(read_only_owned);
-        Ok(output_irs
-            .into_iter()
-            .map(|ir| FusionTensor::new(ir.id, ir.shape, ir.dtype, home.clone(), self.clone()))
-            .collect())
+        Ok(outputs)
+    }
+
+    /// The tensor for output `out`: a consumed operand's allocation when there is one (updated in
+    /// place, its shape kept when unchanged), a new one otherwise.
+    fn output_tensor(
+        &self,
+        out: &TensorIr,
+        home: &Arc<crate::stream::StreamCell<R>>,
+        recycled: Option<FusionTensor<R>>,
+    ) -> FusionTensor<R> {
+        let Some(mut tensor) = recycled else {
+            return FusionTensor::new(
+                out.id,
+                out.shape.clone(),
+                out.dtype,
+                home.clone(),
+                self.clone(),
+            );
+        };
+        let inner = Arc::get_mut(&mut tensor.inner).expect("consumed operands are unique");
+        inner.id = out.id;
+        inner.dtype = out.dtype;
+        if inner.shape != out.shape {
+            inner.shape = out.shape.clone();
+        }
+        if !Arc::ptr_eq(&inner.home, home) {
+            inner.home = home.clone();
+        }
+        inner.released = false;
+        tensor
     }
 }
 
@@ -401,7 +414,7 @@ impl<R: StreamRuntime> FusionClient<R> {
 pub struct OpBuilder<'a, R: StreamRuntime> {
     client: &'a FusionClient<R>,
     name: Cow<'static, str>,
-    operands: Vec<Operand<'a, R>>,
+    operands: Operands<'a, R>,
     outputs: SmallVec<[(Shape, DType); 1]>,
 }
 
@@ -430,32 +443,56 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
         self,
         executor: E,
     ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
-        let name = self.name.clone();
-        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
-            let ir = CustomOpIr {
-                id: name.into_owned(),
-                inputs: inputs.to_vec(),
-                outputs: outputs.to_vec(),
-            };
-            let operation = CustomOperation {
-                ir: ir.clone(),
+        let name = self.name;
+        let build = move |inputs: SmallVec<[TensorIr; 2]>, outputs: SmallVec<[TensorIr; 1]>| {
+            CustomOperation {
+                ir: CustomOpIr {
+                    id: name.into_owned(),
+                    inputs: inputs.into_vec(),
+                    outputs: outputs.into_vec(),
+                },
                 executor,
                 _runtime: std::marker::PhantomData,
-            };
-            (OperationIr::Custom(ir), Box::new(operation) as Box<_>)
-        });
+            }
+        };
         self.client
-            .register(self.name, self.operands, &self.outputs, build, |_, _, _| {
-                Ok(())
-            })
+            .register(self.operands, self.outputs, build, |_| Ok(()))
+            .map(SmallVec::into_vec)
     }
 
-    /// Queue a burn [`burn_fusion::stream::Operation`] through the [`BurnOperation`] adapter.
+    /// Queue a [`FallibleOperation`] recorded as the [`OperationIr`] it describes.
     ///
     /// `build` receives the operand IRs (with their statuses) and the output IRs (fresh ids) and
-    /// returns the [`OperationIr`] to record and the operation to run, the way burn's own ops are
-    /// built. The IR must name exactly those operands and outputs; anything else is rejected with
-    /// [`Error::InvalidOperation`] and the operands handed back.
+    /// returns the IR to record and the operation to run. The IR must name exactly those operands
+    /// and outputs; anything else is rejected with [`Error::InvalidOperation`] and the operands
+    /// handed back.
+    pub fn execute_operation<O>(
+        self,
+        build: impl FnOnce(&[TensorIr], &[TensorIr]) -> (OperationIr, O),
+    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>>
+    where
+        O: FallibleOperation<R> + 'static,
+    {
+        let name = self.name;
+        let build = move |inputs: SmallVec<[TensorIr; 2]>, outputs: SmallVec<[TensorIr; 1]>| {
+            let (repr, operation) = build(&inputs, &outputs);
+            WithRepr {
+                name,
+                repr,
+                inputs,
+                outputs,
+                operation,
+            }
+        };
+        self.client
+            .register(self.operands, self.outputs, build, |body| {
+                validate_repr(&body.name, &body.repr, &body.inputs, &body.outputs)
+            })
+            .map(SmallVec::into_vec)
+    }
+
+    /// Queue a burn [`burn_fusion::stream::Operation`] through the [`BurnOperation`] adapter,
+    /// built the way burn's own ops are; see [`OpBuilder::execute_operation`].
     pub fn execute_burn<O>(
         self,
         build: impl FnOnce(&[TensorIr], &[TensorIr]) -> (OperationIr, O),
@@ -463,18 +500,10 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
     where
         O: burn_fusion::stream::Operation<R> + 'static,
     {
-        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
+        self.execute_operation(|inputs, outputs| {
             let (repr, op) = build(inputs, outputs);
-            (repr, Box::new(BurnOperation(op)) as Box<_>)
-        });
-        let name = self.name.clone();
-        self.client.register(
-            self.name,
-            self.operands,
-            &self.outputs,
-            build,
-            |repr, ins, outs| validate_repr(&name, repr, ins, outs),
-        )
+            (repr, BurnOperation(op))
+        })
     }
 }
 

@@ -49,6 +49,7 @@ pub mod id;
 mod operation;
 mod ops;
 pub mod runtime;
+mod small;
 mod stream;
 mod tensor;
 

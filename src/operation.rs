@@ -8,11 +8,15 @@
 
 use std::fmt;
 
+use std::borrow::Cow;
+
 use burn_fusion::FusionRuntime;
 use burn_fusion::stream::Operation;
-use burn_ir::{CustomOpIr, HandleContainer};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use smallvec::SmallVec;
 
 use crate::Result;
+use crate::runtime::StreamRuntime;
 
 /// An operation that can fail without panicking.
 ///
@@ -77,6 +81,68 @@ where
     }
 }
 
+/// What a queue entry runs: everything an operation needs, in one allocation.
+///
+/// Built-in operations keep their kernel and operand IRs and derive their burn [`OperationIr`]
+/// only when somebody inspects the queue ([`crate::MultiStream::pending`]); operations that
+/// arrive with an IR keep it.
+pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
+    /// The operation's name, for errors.
+    fn name(&self) -> &str;
+    /// Run it on the current stream.
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> Result<()>;
+    /// The operands, with the status each has for this operation.
+    fn inputs(&self) -> &[TensorIr];
+    /// The outputs (fresh ids).
+    fn outputs(&self) -> &[TensorIr];
+    /// The operation as burn's IR records it.
+    fn repr(&self) -> OperationIr;
+}
+
+/// A [`FallibleOperation`] registered together with its IR.
+pub(crate) struct WithRepr<O> {
+    pub(crate) name: Cow<'static, str>,
+    pub(crate) repr: OperationIr,
+    pub(crate) inputs: SmallVec<[TensorIr; 2]>,
+    pub(crate) outputs: SmallVec<[TensorIr; 1]>,
+    pub(crate) operation: O,
+}
+
+impl<R: StreamRuntime, O: FallibleOperation<R> + 'static> crate::stream::IntoQueued<R>
+    for WithRepr<O>
+{
+}
+
+impl<R: StreamRuntime, O: FallibleOperation<R>> OpBody<R> for WithRepr<O> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        _: &R::Context,
+    ) -> Result<()> {
+        self.operation.execute(handles)
+    }
+
+    fn inputs(&self) -> &[TensorIr] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        &self.outputs
+    }
+
+    fn repr(&self) -> OperationIr {
+        self.repr.clone()
+    }
+}
+
 /// A custom operation: its IR plus its executor.
 pub(crate) struct CustomOperation<R: FusionRuntime, E> {
     pub(crate) ir: CustomOpIr,
@@ -84,18 +150,33 @@ pub(crate) struct CustomOperation<R: FusionRuntime, E> {
     pub(crate) _runtime: std::marker::PhantomData<fn() -> R>,
 }
 
-impl<R: FusionRuntime, E> fmt::Debug for CustomOperation<R, E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CustomOperation")
-            .field("id", &self.ir.id)
-            .field("inputs", &self.ir.inputs.len())
-            .field("outputs", &self.ir.outputs.len())
-            .finish()
-    }
+impl<R: StreamRuntime, E: CustomExecutor<R>> crate::stream::IntoQueued<R>
+    for CustomOperation<R, E>
+{
 }
 
-impl<R: FusionRuntime, E: CustomExecutor<R>> FallibleOperation<R> for CustomOperation<R, E> {
-    fn execute(&self, handles: &mut HandleContainer<R::FusionHandle>) -> Result<()> {
+impl<R: StreamRuntime, E: CustomExecutor<R>> OpBody<R> for CustomOperation<R, E> {
+    fn name(&self) -> &str {
+        &self.ir.id
+    }
+
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        _: &R::Context,
+    ) -> Result<()> {
         self.executor.execute(&self.ir, handles)
+    }
+
+    fn inputs(&self) -> &[TensorIr] {
+        &self.ir.inputs
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        &self.ir.outputs
+    }
+
+    fn repr(&self) -> OperationIr {
+        OperationIr::Custom(self.ir.clone())
     }
 }

@@ -1,9 +1,6 @@
 //! The built-in operations: validated, recorded as the burn IR a burn backend would record, and
 //! executed by the runtime's [`StreamRuntime::launch`].
 
-use std::fmt;
-use std::sync::Arc;
-
 use burn_backend::{DType, Shape};
 use burn_ir::{
     BinaryOpIr, CustomOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr,
@@ -11,44 +8,58 @@ use burn_ir::{
 };
 use smallvec::SmallVec;
 
-use crate::client::{BuildFn, FusionClient, Operand};
+use crate::client::{FusionClient, Operand, Operands, hand_back};
 use crate::error::Rejected;
-use crate::operation::FallibleOperation;
+use crate::operation::OpBody;
 use crate::runtime::{Kernel, KernelInput, StreamRuntime};
+use crate::stream::{IntoQueued, QueuedOp};
 use crate::tensor::FusionTensor;
 use crate::{Error, Result};
 
 /// Runs a built-in kernel: takes the operands from the stream's handles, launches, registers the
-/// output.
-struct BuiltinExecutor<R: StreamRuntime> {
+/// output. Its burn IR is derived on demand.
+pub(crate) struct Builtin {
     kernel: Kernel,
-    context: Arc<R::Context>,
     inputs: SmallVec<[TensorIr; 2]>,
-    out: TensorIr,
+    out: [TensorIr; 1],
 }
 
-impl<R: StreamRuntime> fmt::Debug for BuiltinExecutor<R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BuiltinExecutor")
-            .field("kernel", &self.kernel)
-            .field("out", &self.out.id)
-            .finish()
+impl<R: StreamRuntime> IntoQueued<R> for Builtin {
+    fn into_queued(self) -> QueuedOp<R> {
+        QueuedOp::Builtin(self)
     }
 }
 
-impl<R: StreamRuntime> FallibleOperation<R> for BuiltinExecutor<R> {
-    fn execute(&self, handles: &mut HandleContainer<R::FusionHandle>) -> Result<()> {
-        let inputs = self
-            .inputs
-            .iter()
-            .map(|ir| KernelInput {
-                handle: handles.get_handle(&ir.id, &ir.status),
-                ir,
-            })
-            .collect();
-        let out = R::launch(&self.context, &self.kernel, inputs, &self.out)?;
-        handles.register_handle(self.out.id, out);
+impl<R: StreamRuntime> OpBody<R> for Builtin {
+    fn name(&self) -> &str {
+        self.kernel.name()
+    }
+
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> Result<()> {
+        let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
+            handle: handles.get_handle(&ir.id, &ir.status),
+            ir,
+        }));
+        let [out] = &self.out;
+        let handle = R::launch(context, &self.kernel, inputs, out)?;
+        handles.register_handle(out.id, handle);
         Ok(())
+    }
+
+    fn inputs(&self) -> &[TensorIr] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        &self.out
+    }
+
+    fn repr(&self) -> OperationIr {
+        kernel_ir(&self.kernel, &self.inputs, &self.out[0])
     }
 }
 
@@ -128,7 +139,7 @@ fn arity(kernel: &Kernel) -> usize {
 /// Check operand shapes and dtypes; return the output's.
 fn infer_output<R: StreamRuntime>(
     kernel: &Kernel,
-    operands: &[&FusionTensor<R>],
+    operands: &[Operand<'_, R>],
 ) -> Result<(Shape, DType)> {
     let op = kernel.name();
     if operands.len() != arity(kernel) {
@@ -141,9 +152,13 @@ fn infer_output<R: StreamRuntime>(
             ),
         });
     }
-    let first = operands[0];
+    let first = operands[0].tensor();
     let dtype = first.dtype();
-    if let Some(other) = operands.iter().find(|t| t.dtype() != dtype) {
+    if let Some(other) = operands
+        .iter()
+        .map(Operand::tensor)
+        .find(|t| t.dtype() != dtype)
+    {
         return Err(Error::DTypeMismatch {
             op,
             expected: dtype,
@@ -155,7 +170,7 @@ fn infer_output<R: StreamRuntime>(
     }
     let shape = match kernel {
         Kernel::Add | Kernel::Mul => {
-            let (lhs, rhs) = (first.shape(), operands[1].shape());
+            let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
             if lhs != rhs {
                 return Err(Error::ShapeMismatch {
                     op,
@@ -165,7 +180,7 @@ fn infer_output<R: StreamRuntime>(
             lhs.clone()
         }
         Kernel::Matmul => {
-            let (lhs, rhs) = (first.shape(), operands[1].shape());
+            let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
             if lhs.num_dims() != 2 || rhs.num_dims() != 2 || lhs[1] != rhs[0] {
                 return Err(Error::ShapeMismatch {
                     op,
@@ -191,72 +206,44 @@ impl<R: StreamRuntime> FusionClient<R> {
     pub fn launch<'a>(
         &self,
         kernel: Kernel,
-        operands: Vec<Operand<'a, R>>,
+        operands: impl IntoIterator<Item = Operand<'a, R>>,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
-        let checked = {
-            let refs: SmallVec<[&FusionTensor<R>; 2]> = operands
-                .iter()
-                .map(|o| match o {
-                    Operand::Read(t) => *t,
-                    Operand::Consume(t) => t,
-                })
-                .collect();
-            if matches!(kernel, Kernel::Fill(_)) {
-                Err(Error::InvalidOperation {
-                    op: "fill".to_owned(),
-                    detail: "use FusionClient::fill, which takes the shape".to_owned(),
-                })
-            } else {
-                infer_output(&kernel, &refs)
-            }
+        let operands: Operands<'a, R> = crate::small::collect(operands);
+        let checked = if matches!(kernel, Kernel::Fill(_)) {
+            Err(Error::InvalidOperation {
+                op: "fill".to_owned(),
+                detail: "use FusionClient::fill, which takes the shape".to_owned(),
+            })
+        } else {
+            infer_output(&kernel, &operands)
         };
-        let (shape, dtype) = match checked {
-            Ok(out) => out,
-            Err(error) => {
-                let returned = operands
-                    .into_iter()
-                    .filter_map(|o| match o {
-                        Operand::Consume(t) => Some(t),
-                        Operand::Read(_) => None,
-                    })
-                    .collect();
-                return Err(Rejected { error, returned });
-            }
-        };
-        self.register_kernel(kernel, operands, shape, dtype)
+        match checked {
+            Ok((shape, dtype)) => self.register_kernel(kernel, operands, shape, dtype),
+            Err(error) => Err(hand_back(operands, error)),
+        }
     }
 
-    fn register_kernel<'a>(
+    fn register_kernel(
         &self,
         kernel: Kernel,
-        operands: Vec<Operand<'a, R>>,
+        operands: Operands<'_, R>,
         shape: Shape,
         dtype: DType,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
-        let context = self.context().clone();
-        let build: BuildFn<'_, R> = Box::new(move |inputs, outputs| {
-            let out = outputs[0].clone();
-            let repr = kernel_ir(&kernel, inputs, &out);
-            let executor = BuiltinExecutor::<R> {
-                kernel,
-                context,
-                inputs: inputs.iter().cloned().collect(),
-                out,
-            };
-            (repr, Box::new(executor) as Box<_>)
-        });
-        let mut outputs = self.register(
-            kernel.name().into(),
-            operands,
-            &[(shape, dtype)],
-            build,
-            |_, _, _| Ok(()),
-        )?;
+        let build = |inputs, mut outputs: SmallVec<[TensorIr; 1]>| Builtin {
+            kernel,
+            inputs,
+            out: [outputs.pop().expect("one output declared")],
+        };
+        let mut outputs =
+            self.register(operands, smallvec::smallvec![(shape, dtype)], build, |_| {
+                Ok(())
+            })?;
         Ok(outputs.pop().expect("one output declared"))
     }
 
     fn launch_ref(&self, kernel: Kernel, operands: &[&FusionTensor<R>]) -> Result<FusionTensor<R>> {
-        self.launch(kernel, operands.iter().map(|t| Operand::Read(*t)).collect())
+        self.launch(kernel, operands.iter().map(|t| Operand::Read(*t)))
             .map_err(Rejected::into_error)
     }
 
@@ -271,7 +258,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         if !R::supports(&kernel, dtype) {
             return Err(Error::UnsupportedDType { op: "fill", dtype });
         }
-        self.register_kernel(kernel, Vec::new(), shape.into(), dtype)
+        self.register_kernel(kernel, SmallVec::new(), shape.into(), dtype)
             .map_err(Rejected::into_error)
     }
 

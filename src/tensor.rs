@@ -161,7 +161,8 @@ impl<R: StreamRuntime> FusionTensor<R> {
     }
 
     /// Like [`FusionTensor::read`], consuming the tensor: when it is the last reference to its id,
-    /// the handle leaves the engine at once (a consuming read).
+    /// the id is released in the same step as the read (as its last drop would release it:
+    /// behind any pending operation that still reads it).
     pub fn into_data(self) -> Result<TensorData> {
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {

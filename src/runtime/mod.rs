@@ -68,6 +68,9 @@ pub struct KernelInput<'a, H> {
     pub ir: &'a TensorIr,
 }
 
+/// The inputs of one kernel launch (inline up to two: no allocation per launch).
+pub type KernelInputs<'a, H> = smallvec::SmallVec<[KernelInput<'a, H>; 2]>;
+
 /// The device capabilities the engine needs beyond burn's [`FusionRuntime`].
 ///
 /// # Contract
@@ -123,7 +126,7 @@ pub trait StreamRuntime: FusionRuntime {
     fn launch(
         ctx: &Self::Context,
         kernel: &Kernel,
-        inputs: Vec<KernelInput<'_, Self::FusionHandle>>,
+        inputs: KernelInputs<'_, Self::FusionHandle>,
         out: &TensorIr,
     ) -> Result<Self::FusionHandle>;
 }

@@ -28,6 +28,7 @@
 use std::cell::Cell;
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 
 use burn_backend::StreamId;
@@ -74,10 +75,10 @@ pub(crate) struct StreamCell<R: StreamRuntime> {
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
-    pub(crate) fn new(id: StreamId, max_queue_len: usize) -> Self {
+    pub(crate) fn new(id: StreamId, max_queue_len: usize, context: Arc<R::Context>) -> Self {
         Self {
             id,
-            state: Mutex::new(StreamState::new(id, max_queue_len)),
+            state: Mutex::new(StreamState::new(id, max_queue_len, context)),
             inbox: Mutex::new(Vec::new()),
             inbox_flag: AtomicBool::new(false),
         }

@@ -21,8 +21,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use burn_ir::TensorStatus;
 
-use super::state::{PendingOp, QueuedOp, StreamState};
+use super::state::{QueuedOp, StreamState};
 use crate::Error;
+use crate::operation::OpBody;
 use crate::runtime::StreamRuntime;
 
 impl<R: StreamRuntime> StreamState<R> {
@@ -36,7 +37,8 @@ impl<R: StreamRuntime> StreamState<R> {
                 for op in ops.drain(..) {
                     match op {
                         QueuedOp::Drop(id) => self.free(id),
-                        QueuedOp::Op(op) => self.execute_one(*op),
+                        QueuedOp::Builtin(op) => self.execute_one(&op),
+                        QueuedOp::Op(op) => self.execute_one(&*op),
                     }
                 }
             });
@@ -50,40 +52,40 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    fn execute_one(&mut self, op: PendingOp<R>) {
+    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
         self.counters.ops_executed += 1;
 
-        if let Some(error) = self.input_failure(&op) {
+        if let Some(error) = self.input_failure(op) {
             self.counters.ops_skipped += 1;
-            self.record_failure(&op, error);
-            self.consume_inputs(&op);
+            self.record_failure(op, error);
+            self.consume_inputs(op);
             return;
         }
 
-        if let Some(error) = self.ssa_violation(&op) {
+        if let Some(error) = self.ssa_violation(op) {
             self.counters.ops_failed += 1;
-            self.record_failure(&op, error);
-            self.consume_inputs(&op);
+            self.record_failure(op, error);
+            self.consume_inputs(op);
             return;
         }
 
-        let handles = &mut self.handles;
-        let outcome = catch_unwind(AssertUnwindSafe(|| op.executor.execute(handles)));
+        let (handles, context) = (&mut self.handles, &*self.context);
+        let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
         let failure = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(error)) => Some(error),
-            Err(payload) => Some(Error::from_panic(&op.name, payload)),
+            Err(payload) => Some(Error::from_panic(op.name(), payload)),
         };
 
         match failure {
             None => {
-                for out in &op.outputs {
-                    if !self.handles.has_handle(out) {
+                for out in op.outputs() {
+                    if !self.handles.has_handle(&out.id) {
                         self.errors.insert(
-                            *out,
+                            out.id,
                             Error::OutputNotWritten {
-                                op: op.name.as_ref().into(),
-                                id: *out,
+                                op: op.name().into(),
+                                id: out.id,
                             },
                         );
                     }
@@ -91,24 +93,24 @@ impl<R: StreamRuntime> StreamState<R> {
             }
             Some(error) => {
                 self.counters.ops_failed += 1;
-                tracing::debug!(op = %op.name, stream = %self.id, %error, "operation failed");
-                self.record_failure(&op, error);
+                tracing::debug!(op = op.name(), stream = %self.id, %error, "operation failed");
+                self.record_failure(op, error);
             }
         }
-        self.consume_inputs(&op);
+        self.consume_inputs(op);
     }
 
     /// The error an input already carries, if any.
-    fn input_failure(&self, op: &PendingOp<R>) -> Option<Error> {
-        for (id, _) in &op.inputs {
-            if self.handles.has_handle(id) {
+    fn input_failure<B: OpBody<R> + ?Sized>(&self, op: &B) -> Option<Error> {
+        for input in op.inputs() {
+            if self.handles.has_handle(&input.id) {
                 continue;
             }
-            return Some(match self.errors.get(id) {
+            return Some(match self.errors.get(&input.id) {
                 Some(error) => error.clone(),
                 None => Error::MissingHandle {
-                    op: op.name.as_ref().into(),
-                    id: *id,
+                    op: op.name().into(),
+                    id: input.id,
                 },
             });
         }
@@ -116,87 +118,81 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 
     /// Debug builds check the SSA invariant: an output id must be fresh.
-    fn ssa_violation(&self, op: &PendingOp<R>) -> Option<Error> {
+    fn ssa_violation<B: OpBody<R> + ?Sized>(&self, op: &B) -> Option<Error> {
         if !cfg!(debug_assertions) {
             return None;
         }
-        op.outputs
+        op.outputs()
             .iter()
-            .find(|out| self.is_materialised(out))
+            .find(|out| self.is_materialised(&out.id))
             .map(|out| Error::SsaViolation {
-                op: op.name.as_ref().into(),
-                id: *out,
+                op: op.name().into(),
+                id: out.id,
             })
     }
 
     /// Replace whatever the outputs hold (a partial write) by the error record. This is the one
     /// place a registered handle may be overwritten, and only by an error record.
-    fn record_failure(&mut self, op: &PendingOp<R>, error: Error) {
-        for out in &op.outputs {
-            self.handles.remove_handle(*out);
-            self.errors.insert(*out, error.clone());
+    fn record_failure<B: OpBody<R> + ?Sized>(&mut self, op: &B, error: Error) {
+        for out in op.outputs() {
+            self.handles.remove_handle(out.id);
+            self.errors.insert(out.id, error.clone());
         }
     }
 
-    fn consume_inputs(&mut self, op: &PendingOp<R>) {
-        for (id, status) in &op.inputs {
-            if *status == TensorStatus::ReadWrite {
-                self.handles.remove_handle(*id);
-                self.errors.remove(id);
+    fn consume_inputs<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
+        for input in op.inputs() {
+            if input.status == TensorStatus::ReadWrite {
+                self.handles.remove_handle(input.id);
+                self.errors.remove(&input.id);
             }
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, debug_assertions))]
 mod tests {
     //! Property: in debug builds, an operation whose output id already holds a handle is refused
     //! (recorded as an SSA violation) instead of overwriting the handle.
+    use super::super::state::PendingOp;
     use super::*;
-    use crate::host::HostRuntime;
-    use crate::operation::FallibleOperation;
+    use crate::host::{HostHandle, HostRuntime};
+    use crate::operation::{FallibleOperation, WithRepr};
     use burn_backend::{StreamId, TensorData};
     use burn_ir::{HandleContainer, OperationIr, TensorId};
+    use std::sync::Arc;
 
     #[derive(Debug)]
-    struct Overwrite(
-        TensorId,
-        <HostRuntime as burn_fusion::FusionRuntime>::FusionHandle,
-    );
+    struct Overwrite(TensorId, HostHandle);
 
     impl FallibleOperation<HostRuntime> for Overwrite {
-        fn execute(
-            &self,
-            handles: &mut HandleContainer<
-                <HostRuntime as burn_fusion::FusionRuntime>::FusionHandle,
-            >,
-        ) -> crate::Result<()> {
+        fn execute(&self, handles: &mut HandleContainer<HostHandle>) -> crate::Result<()> {
             handles.register_handle(self.0, self.1.clone());
             Ok(())
         }
     }
 
     #[test]
-    #[cfg(debug_assertions)]
     fn an_output_id_that_already_has_a_handle_is_an_ssa_violation() {
-        let ctx = HostRuntime::open(&Default::default()).unwrap();
+        let ctx = Arc::new(HostRuntime::open(&Default::default()).unwrap());
         let upload = |v: f32| HostRuntime::upload(&ctx, &TensorData::new(vec![v], [1])).unwrap();
-        let mut state = StreamState::<HostRuntime>::new(StreamId::current(), 8);
+        let mut state = StreamState::<HostRuntime>::new(StreamId::current(), 8, ctx.clone());
         let existing = crate::id::fresh_tensor_id();
         state.handles.register_handle(existing, upload(1.0));
-        let op = PendingOp {
-            name: "overwrite".into(),
-            repr: OperationIr::Drop(burn_ir::TensorIr {
-                id: existing,
-                shape: [1].into(),
-                status: TensorStatus::NotInit,
-                dtype: burn_backend::DType::F32,
-            }),
-            inputs: Default::default(),
-            outputs: [existing].into_iter().collect(),
-            executor: Box::new(Overwrite(existing, upload(2.0))),
+        let out = burn_ir::TensorIr {
+            id: existing,
+            shape: [1].into(),
+            status: TensorStatus::NotInit,
+            dtype: burn_backend::DType::F32,
         };
-        state.enqueue(QueuedOp::Op(Box::new(op)));
+        let op: PendingOp<HostRuntime> = Box::new(WithRepr {
+            name: "overwrite".into(),
+            repr: OperationIr::Drop(out.clone()),
+            inputs: Default::default(),
+            outputs: [out].into_iter().collect(),
+            operation: Overwrite(existing, upload(2.0)),
+        });
+        state.enqueue(QueuedOp::Op(op));
         state.drain();
         assert!(matches!(
             state.errors.get(&existing),

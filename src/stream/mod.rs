@@ -14,8 +14,9 @@ use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
 pub(crate) use cell::{InboxMessage, StreamCell, in_engine};
-pub(crate) use state::{Entry, PendingOp, QueuedOp, StreamCounters, StreamState};
+pub(crate) use state::{Entry, IntoQueued, QueuedOp, StreamCounters, StreamState};
 
+use crate::operation::OpBody;
 use crate::runtime::StreamRuntime;
 use crate::{Error, Result};
 
@@ -207,6 +208,7 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 pub struct MultiStream<R: StreamRuntime> {
     key: u64,
     config: EngineConfig,
+    context: Arc<R::Context>,
     streams: RwLock<HashMap<StreamId, Arc<StreamCell<R>>>>,
     /// Counters of retired streams, so the totals never go backwards.
     retired: Mutex<StreamCounters>,
@@ -214,9 +216,10 @@ pub struct MultiStream<R: StreamRuntime> {
 }
 
 impl<R: StreamRuntime> MultiStream<R> {
-    pub(crate) fn new(config: EngineConfig) -> Arc<Self> {
+    pub(crate) fn new(config: EngineConfig, context: Arc<R::Context>) -> Arc<Self> {
         Arc::new_cyclic(|this| Self {
             key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            context,
             config: EngineConfig {
                 max_queue_len: config.max_queue_len.max(1),
             },
@@ -239,7 +242,13 @@ impl<R: StreamRuntime> MultiStream<R> {
         self.streams
             .write()
             .entry(id)
-            .or_insert_with(|| Arc::new(StreamCell::new(id, self.config.max_queue_len)))
+            .or_insert_with(|| {
+                Arc::new(StreamCell::new(
+                    id,
+                    self.config.max_queue_len,
+                    self.context.clone(),
+                ))
+            })
             .clone()
     }
 
@@ -311,7 +320,8 @@ impl<R: StreamRuntime> MultiStream<R> {
             .iter()
             .map(|op| match op {
                 QueuedOp::Drop(id) => Pending::Drop(*id),
-                QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr.clone())),
+                QueuedOp::Builtin(op) => Pending::Operation(Box::new(<_ as OpBody<R>>::repr(op))),
+                QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr())),
             })
             .collect()
     }
@@ -392,8 +402,11 @@ impl<R: StreamRuntime> MultiStream<R> {
         Ok(state.entry(&id, "read"))
     }
 
-    /// Mark a tensor as read by its last live owner: drains if needed, then takes the handle out
-    /// of the map (the read consumes the id) and drops its `shared_sources` entry.
+    /// Mark a tensor as read by its last live owner: drains if needed, returns a second owner of
+    /// its handle for the read, and releases the id in the same critical section — exactly as its
+    /// last drop would (queued behind pending work on the home thread, a foreign drop elsewhere),
+    /// because operations still pending on the home stream may read it. Its `shared_sources`
+    /// entry goes at once.
     pub(crate) fn mark_read(
         &self,
         home: &Arc<StreamCell<R>>,
@@ -406,8 +419,12 @@ impl<R: StreamRuntime> MultiStream<R> {
         }
         let mut state = home.lock();
         state.materialise(&id);
-        let entry = state.take_entry(&id, "read");
-        self.retire_if_orphan_empty(home, &mut state);
+        let entry = state.entry(&id, "read");
+        if StreamId::current() == home.id {
+            state.home_drop(id);
+        } else {
+            self.foreign_drop(home, &mut state, id);
+        }
         Ok(entry)
     }
 

@@ -36,7 +36,7 @@ use kernels::HostData;
 use marker::Marker;
 use worker::Workers;
 
-use crate::runtime::{Kernel, KernelInput, StreamRuntime};
+use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
 use crate::{Error, Result};
 
 /// burn's device type id for the host device (distinct from burn's own backends).
@@ -340,7 +340,7 @@ impl StreamRuntime for HostRuntime {
     fn launch(
         ctx: &HostContext,
         kernel: &Kernel,
-        inputs: Vec<KernelInput<'_, HostHandle>>,
+        inputs: KernelInputs<'_, HostHandle>,
         out: &TensorIr,
     ) -> Result<HostHandle> {
         let reuse = kernels::elementwise(kernel)
