@@ -350,7 +350,7 @@ burn_engine! {
 
 /// Ops per chain in the throughput group, and per thread in the threads group.
 const CHAIN: usize = 10_000;
-const PER_THREAD: usize = 5_000;
+const PER_THREAD: usize = 20_000;
 const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
 
 fn quick() -> bool {
@@ -407,8 +407,11 @@ impl Peer {
     }
 }
 
-/// The latency of `clone()` on another thread, of a materialised or a pending source.
-fn share<E: Engine>(c: &mut Criterion, engine: &E, peer: &Peer) {
+/// The latency of `clone()` on another thread, of a materialised or a pending source. Both
+/// threads sync after every iteration (untimed), so each clone starts from empty queues: without
+/// that, burn's never-ready fuser lets queued ops and drops pile up across iterations and every
+/// later clone pays for them.
+fn share<E: Engine>(c: &mut Criterion, engine: &Arc<E>, peer: &Peer) {
     let mut group = c.benchmark_group("share");
     let materialised = engine.create();
     engine.sync();
@@ -424,13 +427,16 @@ fn share<E: Engine>(c: &mut Criterion, engine: &E, peer: &Peer) {
                     } else {
                         materialised.clone()
                     };
+                    let on_peer = engine.clone();
                     total += peer.run(move || {
                         let start = Instant::now();
                         let view = source.clone();
                         let elapsed = start.elapsed();
                         drop((view, source));
+                        on_peer.sync();
                         elapsed
                     });
+                    engine.sync();
                 }
                 record(&name, total, iters);
                 total
@@ -442,35 +448,73 @@ fn share<E: Engine>(c: &mut Criterion, engine: &E, peer: &Peer) {
     engine.sync();
 }
 
-/// T threads, each running its own chain on its own stream; time from a common start to the last
-/// thread's end.
-fn threads<E: Engine>(c: &mut Criterion, engine: &E) {
+/// `t` persistent threads (a pool, like a serving or data-loading pool: each keeps its stream
+/// between rounds), released together for each round.
+struct Pool {
+    start: Arc<Barrier>,
+    end: Arc<Barrier>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Pool {
+    fn new<E: Engine>(t: usize, engine: &Arc<E>) -> Self {
+        let start = Arc::new(Barrier::new(t + 1));
+        let end = Arc::new(Barrier::new(t + 1));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..t)
+            .map(|_| {
+                let (start, end, stop, engine) =
+                    (start.clone(), end.clone(), stop.clone(), engine.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        start.wait();
+                        if stop.load(std::sync::atomic::Ordering::Acquire) {
+                            break;
+                        }
+                        chain(&*engine, PER_THREAD);
+                        end.wait();
+                    }
+                })
+            })
+            .collect();
+        Self {
+            start,
+            end,
+            stop,
+            threads,
+        }
+    }
+
+    /// One round: every thread runs its chain; the time from the common start to the last end.
+    fn round(&self) -> Duration {
+        self.start.wait();
+        let begin = Instant::now();
+        self.end.wait();
+        begin.elapsed()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.start.wait();
+        for t in self.threads.drain(..) {
+            t.join().unwrap();
+        }
+    }
+}
+
+/// T threads, each running its own chain on its own stream.
+fn threads<E: Engine>(c: &mut Criterion, engine: &Arc<E>) {
     let mut group = c.benchmark_group("threads");
     for t in THREADS {
         let name = format!("threads/{t}/{}", E::NAME);
+        let pool = Pool::new(t, engine);
         group.throughput(criterion::Throughput::Elements((t * PER_THREAD) as u64));
         group.bench_function(BenchmarkId::new(E::NAME, t), |b| {
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let start_line = Barrier::new(t + 1);
-                    std::thread::scope(|scope| {
-                        let workers: Vec<_> = (0..t)
-                            .map(|_| {
-                                scope.spawn(|| {
-                                    start_line.wait();
-                                    chain(engine, PER_THREAD);
-                                })
-                            })
-                            .collect();
-                        start_line.wait();
-                        let start = Instant::now();
-                        for w in workers {
-                            w.join().unwrap();
-                        }
-                        total += start.elapsed();
-                    });
-                }
+                let total: Duration = (0..iters).map(|_| pool.round()).sum();
                 record(&name, total, iters * (t * PER_THREAD) as u64);
                 total
             })
@@ -483,8 +527,8 @@ fn run_all<E: Engine>(c: &mut Criterion, peer: &Peer) {
     let engine = Arc::new(E::new());
     eprintln!("== {} ==", E::NAME);
     throughput(c, &*engine);
-    share(c, &*engine, peer);
-    threads(c, &*engine);
+    share(c, &engine, peer);
+    threads(c, &engine);
 }
 
 fn report() {

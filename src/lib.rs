@@ -60,6 +60,11 @@ pub use runtime::host;
 pub use stream::{EngineConfig, EngineStats, MultiStream, Pending};
 pub use tensor::FusionTensor;
 
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 /// Re-exports of the burn vocabulary used in this crate's API.
 pub mod burn {
     pub use burn_backend::{DType, Shape, StreamId, TensorData};
