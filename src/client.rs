@@ -207,10 +207,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         }
         let handle = R::upload(&self.inner.context, &data)?;
         let id = crate::id::fresh_tensor_id();
-        let home = self.inner.streams.with_current(|cell, state| {
-            state.register_entry(id, Entry::Handle(handle));
-            cell.clone()
-        });
+        let home = self.inner.streams.register_entry(id, Entry::Handle(handle));
         Ok(FusionTensor::new(
             id,
             data.shape,
@@ -328,7 +325,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         // 4.
         let mut consumed: SmallVec<[FusionTensor<R>; 1]> = SmallVec::new();
         let mut read_only_owned: SmallVec<[FusionTensor<R>; 2]> = SmallVec::new();
-        let outputs = self.inner.streams.with_current(|cell, state| {
+        let outputs = self.inner.streams.register(body, |cell, state, body| {
             for (local, ir) in locals.drain(..).zip(body.inputs()) {
                 let Local::Owned(mut tensor) = local else {
                     continue;
@@ -348,8 +345,6 @@ impl<R: StreamRuntime> FusionClient<R> {
                     .iter()
                     .map(|out| self.output_tensor(out, cell, consumed.pop())),
             );
-            state.counters.ops_registered += 1;
-            state.enqueue(body.into_queued());
             outputs
         });
 

@@ -58,6 +58,12 @@ where
 /// It receives the operation's IR (inputs with their statuses, outputs with their fresh ids) and
 /// the stream's handles. Any `Fn(&CustomOpIr, &mut HandleContainer<H>) -> Result<()>` closure that
 /// is `Send + Sync + 'static` is an executor.
+///
+/// An executor that captures a [`crate::FusionTensor`] or a [`crate::FusionClient`] keeps the
+/// engine alive while it is queued (the engine holds the queue, the queue holds the executor):
+/// nothing is freed until the operation runs, which happens at the latest when a read, a sync, a
+/// share, the queue bound or the exit of its thread runs the stream. Pass data through operands
+/// instead of captures where you can.
 pub trait CustomExecutor<R: FusionRuntime>: Send + Sync + 'static {
     /// Run the operation described by `op`.
     fn execute(

@@ -46,7 +46,12 @@ impl<R: StreamRuntime> Drop for TensorInner<R> {
 ///   stream it is a *shared view*: a fresh id on the current stream, aliasing the same buffer,
 ///   after the source's pending producer has been materialised (see [`crate::MultiStream`]).
 /// * **Use as an operand** from another stream likewise goes through a shared view; a foreign id
-///   never enters the current stream's queue.
+///   never enters the current stream's queue. Handing a tensor to an operation
+///   ([`crate::Operand::Consume`], [`crate::OpBuilder::consume`]) is what burn calls `into_ir`:
+///   when it is the id's last reference the operation gets it `ReadWrite` (and may reuse its
+///   buffer). There is deliberately no public `into_ir` returning a bare `TensorIr`: deciding the
+///   status apart from enqueueing the operation lets a concurrent last drop on another thread free
+///   the id in between, so here the status is decided under the stream lock that enqueues.
 /// * **Drop.** The last drop of an id on its home thread enqueues a free behind the pending work;
 ///   from any other thread it is a foreign drop that never touches the home queue.
 /// * **Read.** [`FusionTensor::read`] returns the data, or the error that prevented it from being

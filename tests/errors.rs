@@ -198,40 +198,29 @@ fn copy_ir(inputs: &[TensorIr], outputs: &[TensorIr]) -> UnaryOpIr {
     }
 }
 
+/// Register `CopyOp` over `x` the way burn registers its own ops.
+fn burn_copy(c: &Client, x: &Tensor, fail: bool) -> Tensor {
+    c.op("copy")
+        .read(x)
+        .output(x.shape().clone(), DType::F32)
+        .execute_burn(|inputs, outputs| {
+            let desc = copy_ir(inputs, outputs);
+            (
+                OperationIr::Float(DType::F32, burn_ir::FloatOperationIr::Exp(desc.clone())),
+                CopyOp { desc, fail },
+            )
+        })
+        .unwrap()
+        .remove(0)
+}
+
 #[test]
 fn burn_operations_run_through_the_adapter() {
     let c = client();
     let x = f32s(&c, &[3.0, 4.0]);
-    let out = c
-        .op("copy")
-        .read(&x)
-        .output([2], DType::F32)
-        .execute_burn(|inputs, outputs| {
-            let desc = copy_ir(inputs, outputs);
-            (
-                OperationIr::Float(DType::F32, burn_ir::FloatOperationIr::Exp(desc.clone())),
-                CopyOp { desc, fail: false },
-            )
-        })
-        .unwrap()
-        .remove(0);
-    assert_eq!(values(&out), vec![3.0, 4.0]);
-
-    let failing = c
-        .op("copy")
-        .read(&x)
-        .output([2], DType::F32)
-        .execute_burn(|inputs, outputs| {
-            let desc = copy_ir(inputs, outputs);
-            (
-                OperationIr::Float(DType::F32, burn_ir::FloatOperationIr::Exp(desc.clone())),
-                CopyOp { desc, fail: true },
-            )
-        })
-        .unwrap()
-        .remove(0);
+    assert_eq!(values(&burn_copy(&c, &x, false)), vec![3.0, 4.0]);
     assert!(matches!(
-        failing.read().unwrap_err(),
+        burn_copy(&c, &x, true).read().unwrap_err(),
         Error::OperationPanicked { .. }
     ));
 }

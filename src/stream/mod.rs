@@ -267,10 +267,7 @@ impl<R: StreamRuntime> MultiStream<R> {
 
     /// Run `f` with the current stream locked. Retries with a fresh state if the cached one was
     /// retired in the meantime.
-    pub(crate) fn with_current<T>(
-        &self,
-        f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T,
-    ) -> T {
+    fn with_current<T>(&self, f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T) -> T {
         loop {
             let cell = self.current();
             let mut state = cell.lock();
@@ -281,6 +278,39 @@ impl<R: StreamRuntime> MultiStream<R> {
             }
             return f(&cell, &mut state);
         }
+    }
+
+    /// Register an operation on the current stream.
+    ///
+    /// `commit` runs first, in the same critical section: it settles the operands (a `ReadWrite`
+    /// operand is released to the operation and leaves `shared_sources`) and builds the outputs.
+    /// Then the operation is enqueued; if the queue reaches its bound, the stream executes what
+    /// it has. Deciding operand statuses and enqueueing under one lock is what keeps a concurrent
+    /// last drop on another thread from freeing an operand first.
+    pub(crate) fn register<B: IntoQueued<R>, T>(
+        &self,
+        body: B,
+        commit: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>, &B) -> T,
+    ) -> T {
+        self.with_current(|cell, state| {
+            let settled = commit(cell, state, &body);
+            state.counters.ops_registered += 1;
+            state.enqueue(body.into_queued());
+            settled
+        })
+    }
+
+    /// Register a handle or an error record under the fresh id `id` on the current stream (an
+    /// upload). Returns the stream that is now `id`'s home.
+    pub(crate) fn register_entry(
+        &self,
+        id: TensorId,
+        entry: Entry<R::FusionHandle>,
+    ) -> Arc<StreamCell<R>> {
+        self.with_current(|cell, state| {
+            state.register_entry(id, entry);
+            cell.clone()
+        })
     }
 
     /// Run stream `id`'s pending segment to completion.
@@ -378,11 +408,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             source.entry(&src, "share")
         };
 
-        let home = self.with_current(|cell, state| {
-            state.register_entry(dst, entry);
-            cell.clone()
-        });
-        (dst, home)
+        (dst, self.register_entry(dst, entry))
     }
 
     /// Read access to `id` on `home`: drains if its producer is pending, and returns a second
