@@ -23,6 +23,8 @@ struct ClientInner<R: StreamRuntime> {
     streams: Arc<MultiStream<R>>,
     context: Arc<R::Context>,
     device: R::FusionDevice,
+    /// Streams on which a held session is open (see `transfer::HeldSession`).
+    sessions: parking_lot::Mutex<hashbrown::HashSet<StreamId>>,
 }
 
 /// A device's engine: its streams, its handles, and the runtime that executes on it.
@@ -141,6 +143,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                 streams: MultiStream::new(config, context.clone()),
                 context,
                 device,
+                sessions: Default::default(),
             }),
         })
     }
@@ -163,6 +166,19 @@ impl<R: StreamRuntime> FusionClient<R> {
     /// What the engine did and what it holds.
     pub fn stats(&self) -> EngineStats {
         self.inner.streams.stats()
+    }
+
+    /// Record a held session on `stream`; refused if one is already open there.
+    pub(crate) fn claim_session(&self, stream: StreamId) -> Result<()> {
+        if self.inner.sessions.lock().insert(stream) {
+            Ok(())
+        } else {
+            Err(Error::SessionHeld { stream })
+        }
+    }
+
+    pub(crate) fn release_session(&self, stream: StreamId) {
+        self.inner.sessions.lock().remove(&stream);
     }
 
     /// Whether two clients are the same engine.

@@ -127,6 +127,20 @@ pub enum Error {
         /// What is inconsistent.
         detail: String,
     },
+    /// A held session is already open on this client and stream.
+    #[error("a held session is already open on {stream} (one per client and stream)")]
+    SessionHeld {
+        /// The stream the existing session holds.
+        stream: burn_backend::StreamId,
+    },
+    /// A host buffer's size does not match the data.
+    #[error("buffer of {found} bytes, {expected} needed")]
+    BufferSize {
+        /// Bytes the data needs.
+        expected: usize,
+        /// Bytes the buffer has.
+        found: usize,
+    },
     /// The runtime reported an error outside of a kernel (allocation, setup, teardown).
     #[error("runtime error: {0}")]
     Runtime(Arc<str>),

@@ -36,6 +36,7 @@
 //!   reads, statistics.
 //! * [`runtime`] — what the engine needs from a device ([`runtime::StreamRuntime`]), and the
 //!   embedded asynchronous CPU device [`host::HostRuntime`].
+//! * [`transfer`] — held sessions, source publication, pinned downloads, the retirement queue.
 //!
 //! ## Feature flags
 //!
@@ -52,6 +53,7 @@ pub mod runtime;
 mod small;
 mod stream;
 mod tensor;
+pub mod transfer;
 
 pub use client::{FusionClient, OpBuilder, Operand};
 pub use error::{Error, Rejected, Result};

@@ -17,8 +17,11 @@
 //!   dispatched to it, then joins them.
 
 mod kernels;
-mod marker;
+pub(crate) mod marker;
+mod transfer;
 mod worker;
+
+pub use transfer::HostEvent;
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -37,6 +40,10 @@ use marker::Marker;
 use worker::Workers;
 
 use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
+use crate::transfer::{Retired, RetirementQueue};
+
+/// Bound of the host device's retirement queue (drainable side).
+const RETIREMENT_CAPACITY: usize = 256;
 use crate::{Error, Result};
 
 /// burn's device type id for the host device (distinct from burn's own backends).
@@ -159,15 +166,22 @@ impl fmt::Debug for HostHandle {
 /// Per-client state of a host device: its stream workers and counters.
 pub struct HostContext {
     device: HostDevice,
-    // Dropped first: waits for dispatched work, then joins the workers.
+    // Dropped first: waits for dispatched work, then joins the workers. Only then is the
+    // retirement queue (below) dropped, so no record is released while a stream may use it.
     workers: Workers,
     counters: Arc<HostCounters>,
+    retirement: RetirementQueue<Retired<HostRuntime>>,
 }
 
 impl HostContext {
     /// The device.
     pub fn device(&self) -> &HostDevice {
         &self.device
+    }
+
+    /// The retirement queue of dropped transfers.
+    pub fn retirement(&self) -> &RetirementQueue<Retired<HostRuntime>> {
+        &self.retirement
     }
 
     /// The device's counters.
@@ -294,6 +308,7 @@ impl StreamRuntime for HostRuntime {
             device: device.clone(),
             workers: Workers::new(device.index),
             counters: Arc::default(),
+            retirement: RetirementQueue::new(RETIREMENT_CAPACITY),
         })
     }
 
@@ -330,6 +345,7 @@ impl StreamRuntime for HostRuntime {
         for fence in ctx.workers.fences() {
             fence.wait()?;
         }
+        ctx.retirement.sweep();
         Ok(())
     }
 

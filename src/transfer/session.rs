@@ -1,0 +1,223 @@
+//! [`HeldSession`]: a thread's hold on one stream of a client, the entry point of publication.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use burn_backend::StreamId;
+
+use super::TransferRuntime;
+use super::error::{PublicationAdmissionError, PublicationRejected};
+use super::publication::SourcePublication;
+use crate::stream::{Entry, in_engine};
+use crate::{Error, FusionClient, FusionTensor, Result};
+
+/// A held session on a client's stream: captures [`StreamId::current`] when opened.
+///
+/// * `!Send` and `!Sync`: it belongs to the thread whose stream it captured.
+/// * One per (client, stream) at a time: a second [`HeldSession::open`] on the same stream
+///   returns [`Error::SessionHeld`]. Threads on other streams hold their own sessions
+///   concurrently.
+/// * Work registered on this thread runs on the captured stream; [`HeldSession::submit`]
+///   dispatches it, [`HeldSession::synchronize`] waits for the device, [`HeldSession::close`]
+///   (or dropping the session) releases the hold.
+///
+/// Publications outlive the session that made them.
+///
+/// ```compile_fail,E0277
+/// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}, transfer::HeldSession};
+/// let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+/// let session = HeldSession::open(&client).unwrap();
+/// // A session is not `Send`: it cannot move to another thread.
+/// std::thread::spawn(move || drop(session));
+/// ```
+pub struct HeldSession<R: TransferRuntime> {
+    client: FusionClient<R>,
+    stream: StreamId,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<R: TransferRuntime> HeldSession<R> {
+    /// Hold the current thread's stream of `client`.
+    pub fn open(client: &FusionClient<R>) -> Result<Self> {
+        if in_engine() {
+            return Err(Error::Reentrant {
+                what: "HeldSession::open",
+            });
+        }
+        let stream = StreamId::current();
+        client.claim_session(stream)?;
+        Ok(Self {
+            client: client.clone(),
+            stream,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// The captured stream.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The client.
+    pub fn client(&self) -> &FusionClient<R> {
+        &self.client
+    }
+
+    /// Dispatch the work queued on the captured stream, without waiting for the device.
+    pub fn submit(&mut self) {
+        self.client.streams().drain(self.stream);
+    }
+
+    /// Dispatch the queued work and wait for the device; releases completed records of the
+    /// runtime's retirement queue.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.stream.executes(|| self.client.sync())
+    }
+
+    /// Release the hold. Publications made from this session stay valid.
+    pub fn close(self) {}
+
+    /// Publish a value whose production is ordered before this session's captured stream.
+    ///
+    /// Drains the session's lazy work (dispatch only), retains the value's allocation (a second
+    /// owner of its buffer plus a pin on the runtime), releases the value's engine id, and records
+    /// the frontier on the captured stream without waiting.
+    ///
+    /// # Errors
+    ///
+    /// * [`PublicationAdmissionError::Rejected`], with the value unchanged, when nothing was
+    ///   enqueued: a value of another client, a dtype the runtime cannot publish, a producer whose
+    ///   failure is already known at the dispatch boundary (its error record), a re-entrant call.
+    /// * [`PublicationAdmissionError::Unproven`] when recording the frontier failed: the value is
+    ///   released, no owner is returned.
+    ///
+    /// # Safety
+    ///
+    /// The caller asserts that the value's last write is ordered before this session's stream:
+    ///
+    /// 1. the value was produced by work dispatched on the captured stream, or
+    /// 2. by work on another stream that the device orders before the captured stream (on the
+    ///    host runtime and on cubecl 0.10, a kernel reading a buffer waits for its last writer, so
+    ///    values produced through this crate's operations satisfy this).
+    ///
+    /// A value written through a route outside the engine (a raw device pointer, another
+    /// session's `_into` route) does not satisfy the contract: neither the handle nor the session
+    /// can prove who wrote last, and the frontier would not cover that write.
+    ///
+    /// The value cannot be used after it is published:
+    ///
+    /// ```compile_fail,E0382
+    /// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}, transfer::HeldSession};
+    /// # use burn_backend::TensorData;
+    /// # let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+    /// # let mut session = HeldSession::open(&client).unwrap();
+    /// let value = client.from_data(TensorData::new(vec![1.0f32], [1])).unwrap();
+    /// let publication = unsafe { session.publish(value) }.unwrap();
+    /// let again = value.read(); // moved into the publication
+    /// ```
+    ///
+    /// and no accessor yields it back:
+    ///
+    /// ```compile_fail,E0599
+    /// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}, transfer::HeldSession};
+    /// # use burn_backend::TensorData;
+    /// # let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+    /// # let mut session = HeldSession::open(&client).unwrap();
+    /// let value = client.from_data(TensorData::new(vec![1.0f32], [1])).unwrap();
+    /// let publication = unsafe { session.publish(value) }.unwrap();
+    /// let tensor = publication.value(); // there is no such accessor
+    /// ```
+    ///
+    /// The same code without the offending line compiles and runs:
+    ///
+    /// ```
+    /// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}, transfer::HeldSession};
+    /// # use burn_backend::TensorData;
+    /// # let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+    /// # let mut session = HeldSession::open(&client).unwrap();
+    /// let value = client.from_data(TensorData::new(vec![1.0f32], [1])).unwrap();
+    /// let publication = unsafe { session.publish(value) }.unwrap();
+    /// assert_eq!(publication.bytes(), 4);
+    /// ```
+    pub unsafe fn publish(
+        &mut self,
+        value: FusionTensor<R>,
+    ) -> Result<SourcePublication<R>, PublicationAdmissionError<R>> {
+        let reject = |value, reason| {
+            Err(PublicationAdmissionError::Rejected(Box::new(
+                PublicationRejected { value, reason },
+            )))
+        };
+        if !self.client.same_engine(value.client()) {
+            let reason = Error::DeviceMismatch {
+                id: value.id(),
+                detail: "the value belongs to another client than the session".into(),
+            };
+            return reject(value, reason);
+        }
+        if !R::publishable(value.dtype()) {
+            let reason = Error::UnsupportedDType {
+                op: "publish",
+                dtype: value.dtype(),
+            };
+            return reject(value, reason);
+        }
+        if in_engine() {
+            return reject(value, Error::Reentrant { what: "publish" });
+        }
+
+        let stream = self.stream;
+        let streams = self.client.streams();
+        stream.executes(|| {
+            // Dispatch everything the session queued: no lazy source work in the later copy.
+            streams.drain(stream);
+            // A value produced on another stream is reached through a view on this one.
+            let view = (value.stream() != stream).then(|| value.share());
+            let target = view.as_ref().unwrap_or(&value);
+            let entry = match streams.read_entry(&target.inner.home, target.id()) {
+                Ok(entry) => entry,
+                Err(reason) => {
+                    drop(view);
+                    return reject(value, reason);
+                }
+            };
+            let handle = match entry {
+                Entry::Handle(handle) => handle,
+                Entry::Failed(reason) => {
+                    drop(view);
+                    return reject(value, reason);
+                }
+            };
+            let context = self.client.context().clone();
+            let frontier = match R::record_frontier(&context, stream, &handle) {
+                Ok(frontier) => frontier,
+                Err(error) => return Err(PublicationAdmissionError::Unproven { error }),
+            };
+            let publication = SourcePublication::new(
+                context,
+                handle,
+                frontier,
+                stream,
+                value.shape().clone(),
+                value.dtype(),
+            );
+            // The publication owns the allocation now; the engine ids go.
+            drop((view, value));
+            Ok(publication)
+        })
+    }
+}
+
+impl<R: TransferRuntime> Drop for HeldSession<R> {
+    fn drop(&mut self) {
+        self.client.release_session(self.stream);
+    }
+}
+
+impl<R: TransferRuntime> fmt::Debug for HeldSession<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldSession")
+            .field("stream", &self.stream)
+            .finish()
+    }
+}

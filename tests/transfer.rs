@@ -1,0 +1,444 @@
+//! Source publication on the host runtime: the evidence plan of the source-publication record
+//! (§4), row by row, plus the fault-injected terminal path and the refusals.
+
+mod common;
+
+use std::sync::{Arc, Weak};
+
+use burn_backend::{DType, StreamId, TensorData};
+use burn_ir::{CustomOpIr, HandleContainer};
+use common::*;
+use fusion_streams::Error;
+use fusion_streams::host::{HostContext, HostHandle, HostRuntime};
+use fusion_streams::transfer::{
+    HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError, SourcePublication,
+};
+
+type Publication = SourcePublication<HostRuntime>;
+
+fn publish(session: &mut HeldSession<HostRuntime>, value: Tensor) -> Publication {
+    // SAFETY: every value published in these tests was produced by this crate's operations, which
+    // the host device orders before the session's stream.
+    unsafe { session.publish(value) }.expect("admitted")
+}
+
+fn download(publication: Publication, len: usize) -> PendingDownload<HostRuntime> {
+    publication
+        .download_into(PinnedHostBuffer::new(len).unwrap())
+        .expect("enqueued")
+}
+
+fn f32s_of(buffer: &PinnedHostBuffer) -> Vec<f32> {
+    let n = buffer.len() / 4;
+    buffer
+        .to_data([n], DType::F32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+fn retirement(context: &HostContext) -> fusion_streams::transfer::RetirementStats {
+    context.retirement().stats()
+}
+
+/// §4 "Publication survives its session": produce in a held session, publish, close, download:
+/// the exact bytes come back.
+#[test]
+fn publication_survives_session_close() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.5, -2.0, 3.25]);
+    let value = x.scale(2.0).unwrap().add(&x).unwrap(); // pending
+    let publication = publish(&mut session, value);
+    session.close();
+    let buffer = download(publication, 12).wait().unwrap();
+    assert_eq!(f32s_of(&buffer), vec![4.5, -6.0, 9.75]);
+}
+
+/// §4 "Producer frontier": publish right after a deliberately large producer — the frontier is
+/// not ready; `await_frontier` then succeeds and the copy is exact.
+#[test]
+fn frontier_is_not_ready_right_after_a_large_producer() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let n = 320;
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 - 3.0).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 - 2.0).collect();
+    let ta = c.from_data(TensorData::new(a.clone(), [n, n])).unwrap();
+    let tb = c.from_data(TensorData::new(b.clone(), [n, n])).unwrap();
+    let product = ta.matmul(&tb).unwrap(); // ~33M multiply-adds on the stream's worker
+    let mut publication = publish(&mut session, product);
+    assert!(
+        !publication.frontier_ready().unwrap(),
+        "frontier ready before the producer ran"
+    );
+    publication.await_frontier().unwrap();
+    assert!(publication.frontier_ready().unwrap());
+    let got = f32s_of(&download(publication, n * n * 4).wait().unwrap());
+    for (i, j) in [(0, 0), (17, 301), (n - 1, n - 1)] {
+        let want: f32 = (0..n).map(|k| a[i * n + k] * b[k * n + j]).sum();
+        assert_eq!(got[i * n + j], want, "element ({i}, {j})");
+    }
+}
+
+/// The same, deterministically: with the stream held, the frontier cannot complete.
+#[test]
+fn frontier_stays_pending_while_the_stream_is_held() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let pause = c.context().pause(session.stream());
+    let mut publication = publish(&mut session, x.exp().unwrap());
+    for _ in 0..3 {
+        assert!(!publication.frontier_ready().unwrap());
+    }
+    drop(pause);
+    publication.await_frontier().unwrap();
+    let got = f32s_of(&download(publication, 8).wait().unwrap());
+    assert_eq!(got, vec![1f32.exp(), 2f32.exp()]);
+}
+
+/// §4 "Retention without the source handles": with the client, the session and every tensor
+/// gone, only the publication holds the runtime pin and the allocation; consuming it gives the
+/// exact bytes, and the runtime is torn down once the download goes.
+#[test]
+fn publication_retains_allocation_and_runtime_without_any_source_handle() {
+    let c = client();
+    let runtime: Weak<HostContext> = Arc::downgrade(c.context());
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[7.0, 8.0, 9.0]);
+    let publication = publish(&mut session, x.scale(-1.0).unwrap());
+    session.close();
+    drop((x, c));
+    assert!(
+        runtime.upgrade().is_some(),
+        "the publication pins the runtime"
+    );
+
+    let pending = download(publication, 12);
+    let buffer = pending.wait().unwrap();
+    assert_eq!(f32s_of(&buffer), vec![-7.0, -8.0, -9.0]);
+    assert!(
+        runtime.upgrade().is_none(),
+        "the last owner of the runtime was the download"
+    );
+}
+
+/// §4 "Lifecycle": dropping a publication with its frontier in flight detaches it into the
+/// retirement queue without waiting, and `synchronize` releases it.
+#[test]
+fn dropping_a_publication_in_flight_retires_it_and_synchronize_releases_it() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0]);
+    let pause = c.context().pause(session.stream());
+    let publication = publish(&mut session, x.scale(3.0).unwrap());
+    drop(publication); // must not wait: the stream is held
+    let s = retirement(c.context());
+    assert_eq!((s.pending, s.released), (1, 0));
+    drop(pause);
+    session.synchronize().unwrap();
+    let s = retirement(c.context());
+    assert_eq!((s.pending, s.released, s.permanent), (0, 1, 0));
+}
+
+/// A download dropped before its copy completed is retired the same way, buffer included.
+#[test]
+fn dropping_a_download_in_flight_retires_it() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let publication = publish(&mut session, x.clone());
+    let pause = c.context().pause(session.stream());
+    let pending = download(publication, 8);
+    assert!(!pending.is_ready().unwrap());
+    drop(pending);
+    assert_eq!(retirement(c.context()).pending, 1);
+    drop(pause);
+    session.synchronize().unwrap();
+    let s = retirement(c.context());
+    assert_eq!((s.pending, s.released), (0, 1));
+    drop(x);
+    c.streams().drain_all();
+    settle(&c);
+    assert_eq!(
+        host(&c).live_buffers(),
+        0,
+        "the retained allocation was released"
+    );
+}
+
+/// §4 "Lifecycle": `mem::forget` leaks the record in place — allocation and runtime pin.
+#[test]
+fn forgetting_a_publication_leaks_it_in_place() {
+    let c = client();
+    let runtime: Weak<HostContext> = Arc::downgrade(c.context());
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0]);
+    let publication = publish(&mut session, x.scale(2.0).unwrap());
+    std::mem::forget(publication);
+    session.close();
+    drop(x);
+    c.streams().drain_all();
+    settle(&c);
+    assert_eq!(retirement(c.context()).pending, 0, "nothing was retired");
+    assert_eq!(
+        host(&c).live_buffers(),
+        1,
+        "the published buffer leaked in place"
+    );
+    drop(c);
+    assert!(
+        runtime.upgrade().is_some(),
+        "and so did its pin on the runtime"
+    );
+}
+
+/// §4 "Lifecycle": a rejected publication returns the value — for a value of another client, and
+/// for a producer whose failure is already known at the dispatch boundary.
+#[test]
+fn a_rejected_publication_returns_the_value() {
+    let c = client();
+    let other = client();
+    let mut session = HeldSession::open(&c).unwrap();
+
+    let foreign = f32s(&other, &[4.0]);
+    let foreign_id = foreign.id();
+    let rejected = match unsafe { session.publish(foreign) } {
+        Err(PublicationAdmissionError::Rejected(r)) => r,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert!(matches!(rejected.reason, Error::DeviceMismatch { .. }));
+    assert_eq!(rejected.value.id(), foreign_id);
+    assert_eq!(values(&rejected.value), vec![4.0], "unchanged and usable");
+
+    let x = f32s(&c, &[1.0]);
+    let failed = c
+        .op("fails")
+        .read(&x)
+        .output([1], DType::F32)
+        .execute(|_: &CustomOpIr, _: &mut HandleContainer<HostHandle>| {
+            Err(Error::operation("fails", "known at dispatch"))
+        })
+        .unwrap()
+        .remove(0);
+    let rejected = match unsafe { session.publish(failed) } {
+        Err(PublicationAdmissionError::Rejected(r)) => r,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert!(matches!(&rejected.reason, Error::OperationFailed { op, .. } if &**op == "fails"));
+    assert_eq!(rejected.value.read().unwrap_err(), rejected.reason);
+}
+
+/// §4 "No session in consumption": the download runs after the source session closed, with no
+/// session open anywhere, and takes no session argument.
+#[test]
+fn download_needs_no_session() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[5.0, 6.0]);
+    let publication = publish(&mut session, x.scale(0.5).unwrap());
+    session.close();
+    // No session is open on this stream any more: opening one succeeds.
+    HeldSession::open(&c).unwrap().close();
+    let buffer = download(publication, 8).wait().unwrap();
+    assert_eq!(f32s_of(&buffer), vec![2.5, 3.0]);
+}
+
+/// Beyond the seed: a kernel that fails *on the device* after `publish` makes `await_frontier`
+/// fail; the publication is terminal, `frontier_ready` reports the error, a further await
+/// refuses, `download_into` refuses with both owners back, and dropping the publication moves
+/// its record to the permanent-retention side.
+#[test]
+fn a_device_failure_after_publish_makes_the_publication_terminal() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let pause = c.context().pause(session.stream());
+    let faulty = c.fail_on_device(&x).unwrap();
+    let mut publication = publish(&mut session, faulty);
+    assert!(!publication.frontier_ready().unwrap());
+    drop(pause);
+
+    let error = match publication.await_frontier() {
+        Err(PublicationAdmissionError::Unproven { error }) => error,
+        other => panic!("expected a failed frontier, got {other:?}"),
+    };
+    assert!(matches!(&error, Error::KernelFailed { kernel, .. } if &**kernel == "fail_on_device"));
+    assert!(publication.is_terminal());
+    assert_eq!(publication.frontier_ready().unwrap_err(), error);
+    assert!(matches!(
+        publication.await_frontier(),
+        Err(PublicationAdmissionError::Unproven { error: e }) if e == error
+    ));
+
+    let mut buffer = PinnedHostBuffer::new(8).unwrap();
+    buffer.as_bytes_mut().fill(0xAB);
+    let (publication, buffer, reason) = publication.download_into(buffer).unwrap_err().into_parts();
+    assert_eq!(reason, error);
+    assert!(publication.is_terminal(), "handed back terminal");
+    assert!(
+        buffer.as_bytes().iter().all(|b| *b == 0xAB),
+        "buffer untouched"
+    );
+
+    drop(publication);
+    let s = retirement(c.context());
+    assert_eq!((s.permanent, s.pending), (1, 0));
+    session.synchronize().unwrap();
+    assert_eq!(
+        retirement(c.context()).permanent,
+        1,
+        "never released by a sweep"
+    );
+    // Unrelated work is unaffected.
+    assert_eq!(values(&x.scale(2.0).unwrap()), vec![2.0, 4.0]);
+}
+
+/// A wrong-length buffer is refused before anything is enqueued, with both owners back; the
+/// publication then downloads into the right buffer.
+#[test]
+fn a_wrong_length_buffer_is_refused_with_both_owners_back() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, &[1.0, 2.0, 3.0]);
+    let publication = publish(&mut session, x.clone());
+    let (publication, buffer, reason) = publication
+        .download_into(PinnedHostBuffer::new(16).unwrap())
+        .unwrap_err()
+        .into_parts();
+    assert_eq!(
+        reason,
+        Error::BufferSize {
+            expected: 12,
+            found: 16
+        }
+    );
+    assert_eq!(buffer.len(), 16);
+    let got = f32s_of(&download(publication, 12).wait().unwrap());
+    assert_eq!(got, vec![1.0, 2.0, 3.0]);
+}
+
+/// Two publications (frontiers pending) and three downloads in flight, on three streams,
+/// complete independently of one another.
+#[test]
+fn two_publications_and_three_downloads_complete_independently() {
+    let c = client();
+    let peers: Vec<Peer> = (0..3).map(|_| Peer::spawn()).collect();
+    let streams: Vec<StreamId> = peers.iter().map(Peer::stream).collect();
+    let (pause_a, pause_b) = (c.context().pause(streams[0]), c.context().pause(streams[1]));
+    // On each stream: one publication kept, one downloaded (stream C: only the download).
+    let mut kept = Vec::new();
+    let mut downloads = Vec::new();
+    for (i, peer) in peers.iter().enumerate() {
+        let c2 = c.clone();
+        let (publication, pending) = peer.run(move || {
+            let mut session = HeldSession::open(&c2).unwrap();
+            let base = (i * 10) as f32;
+            let x = f32s(&c2, &[base, base + 1.0]);
+            let keep = (i < 2).then(|| publish(&mut session, x.scale(2.0).unwrap()));
+            let pending = download(publish(&mut session, x.scale(3.0).unwrap()), 8);
+            (keep, pending)
+        });
+        kept.extend(publication);
+        downloads.push(pending);
+    }
+    assert_eq!((kept.len(), downloads.len()), (2, 3));
+
+    // Stream C is free: its download completes while A and B are held.
+    let c_buffer = downloads.pop().unwrap().wait().unwrap();
+    assert_eq!(f32s_of(&c_buffer), vec![60.0, 63.0]);
+    for d in &downloads {
+        assert!(!d.is_ready().unwrap());
+    }
+    for p in kept.iter_mut() {
+        assert!(!p.frontier_ready().unwrap());
+    }
+
+    // Releasing B completes B's transfers, not A's.
+    drop(pause_b);
+    kept[1].await_frontier().unwrap();
+    let b_buffer = downloads.pop().unwrap().wait().unwrap();
+    assert_eq!(f32s_of(&b_buffer), vec![30.0, 33.0]);
+    assert!(!downloads[0].is_ready().unwrap());
+    assert!(!kept[0].frontier_ready().unwrap());
+
+    drop(pause_a);
+    let a_buffer = downloads.pop().unwrap().wait().unwrap();
+    assert_eq!(f32s_of(&a_buffer), vec![0.0, 3.0]);
+    let expected = [vec![0.0, 2.0], vec![20.0, 22.0]];
+    for (p, want) in kept.into_iter().zip(expected) {
+        assert_eq!(f32s_of(&download(p, 8).wait().unwrap()), want);
+    }
+}
+
+/// One held session per client and stream; threads on other streams hold their own.
+#[test]
+fn a_second_session_on_a_stream_is_refused_and_other_threads_hold_their_own() {
+    let c = client();
+    let session = HeldSession::open(&c).unwrap();
+    assert_eq!(
+        HeldSession::open(&c).unwrap_err(),
+        Error::SessionHeld {
+            stream: StreamId::current()
+        }
+    );
+    let c2 = c.clone();
+    let other = std::thread::spawn(move || HeldSession::open(&c2).map(|s| s.stream()))
+        .join()
+        .unwrap()
+        .unwrap();
+    assert_ne!(other, session.stream());
+    // Another client may hold the same stream.
+    let c3 = client();
+    HeldSession::open(&c3).unwrap().close();
+    session.close();
+    HeldSession::open(&c).unwrap().close();
+}
+
+/// A pinned buffer is reused across downloads.
+#[test]
+fn a_pinned_buffer_is_reused_across_downloads() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let mut buffer = PinnedHostBuffer::new(8).unwrap();
+    let address = buffer.as_bytes().as_ptr();
+    for round in 0..5 {
+        let x = f32s(&c, &[round as f32, -(round as f32)]);
+        let publication = publish(&mut session, x.scale(10.0).unwrap());
+        buffer = publication.download_into(buffer).unwrap().wait().unwrap();
+        assert_eq!(buffer.as_bytes().as_ptr(), address, "the same memory");
+        assert_eq!(
+            f32s_of(&buffer),
+            vec![10.0 * round as f32, -10.0 * round as f32]
+        );
+    }
+}
+
+/// A value produced on another thread's stream is published through a view on the session's
+/// stream; the original tensor is released.
+#[test]
+fn a_value_from_another_stream_is_published_through_a_view() {
+    let c = client();
+    let mut session = HeldSession::open(&c).unwrap();
+    let peer = Peer::spawn();
+    let c2 = c.clone();
+    let value = peer.run(move || {
+        let x = f32s(&c2, &[2.0, 4.0]);
+        x.scale(0.25).unwrap() // pending on the peer's stream
+    });
+    let publication = publish(&mut session, value);
+    assert_eq!(
+        c.stats().share_drains,
+        1,
+        "the producer was materialised first"
+    );
+    assert_eq!(
+        f32s_of(&download(publication, 8).wait().unwrap()),
+        vec![0.5, 1.0]
+    );
+    peer.join();
+    c.streams().drain_all();
+    settle(&c);
+    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+}
