@@ -40,7 +40,9 @@
 //!
 //! ## Feature flags
 //!
-//! None yet. A `cuda` feature (a CubeCL 0.10 CUDA runtime) is planned.
+//! * `cuda` — `runtime::cuda::CudaRuntime`, the engine on an NVIDIA GPU over cubecl-cuda 0.10.
+//!   Builds without a GPU or a CUDA toolkit (set `CUDARC_CUDA_VERSION=13000` to pin the driver
+//!   bindings); needs the NVIDIA driver at run time.
 
 #![warn(missing_docs)]
 

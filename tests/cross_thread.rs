@@ -333,3 +333,45 @@ fn consuming_read_on_a_foreign_thread_waits_for_pending_readers() {
     settle(&c);
     assert!(c.stats().is_quiescent(), "{:?}", c.stats());
 }
+
+/// Regression (found on the H200): a thread's exit drain ran its queued operations on the exiting
+/// thread, while its thread-locals were being destroyed — cubecl's were already gone, and the
+/// queued matmul panicked. Exit drains now run on the exit-drain thread, and `join` still returns
+/// only after them.
+#[test]
+fn exit_drain_runs_on_a_live_thread_before_join_returns() {
+    let c = client();
+    let ran_on = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let (c2, ran_on2) = (c.clone(), ran_on.clone());
+    let out = std::thread::Builder::new()
+        .name("exiting-worker".into())
+        .spawn(move || {
+            let x = f32s(&c2, &[1.0]);
+            c2.op("records_its_thread")
+                .read(&x)
+                .output([1], burn_backend::DType::F32)
+                .execute(
+                    move |op: &burn_ir::CustomOpIr,
+                          handles: &mut burn_ir::HandleContainer<
+                        fusion_streams::host::HostHandle,
+                    >| {
+                        let name = std::thread::current().name().map(str::to_owned);
+                        *ran_on2.lock().unwrap() = name;
+                        let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+                        handles.register_handle(op.outputs[0].id, input);
+                        Ok(())
+                    },
+                )
+                .unwrap()
+                .remove(0) // still queued when the thread exits
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(
+        ran_on.lock().unwrap().as_deref(),
+        Some("fusion-streams-exit-drain"),
+        "the queued op ran before join returned, on the exit-drain thread"
+    );
+    assert_eq!(values(&out), vec![1.0]);
+}

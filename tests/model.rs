@@ -161,7 +161,7 @@ fn apply_unary(op: Unary, v: &[f32]) -> Vec<f32> {
     match op {
         Unary::Scale(f) => v.iter().map(|x| x * (f as f64) as f32).collect(),
         Unary::Exp => v.iter().map(|x| x.exp()).collect(),
-        Unary::Sum => vec![v.iter().map(|x| *x as f64).sum::<f64>() as f32],
+        Unary::Sum => vec![v.iter().fold(0.0f32, |s, x| s + x)],
     }
 }
 

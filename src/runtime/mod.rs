@@ -12,6 +12,8 @@ use burn_ir::TensorIr;
 
 use crate::Result;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 
 /// A built-in kernel: the op set every runtime provides, enough for real programs and examples.

@@ -217,6 +217,7 @@ pub struct MultiStream<R: StreamRuntime> {
 
 impl<R: StreamRuntime> MultiStream<R> {
     pub(crate) fn new(config: EngineConfig, context: Arc<R::Context>) -> Arc<Self> {
+        local::start_exit_drainer();
         Arc::new_cyclic(|this| Self {
             key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             context,
@@ -464,7 +465,10 @@ impl<R: StreamRuntime> MultiStream<R> {
         if state.retired {
             return;
         }
-        if StreamId::current() == home.id {
+        // A home drop queues behind the stream's work; that needs a thread that will run it. An
+        // orphaned stream's thread is gone, and an exiting thread runs nothing any more: both
+        // free like a foreign thread does.
+        if StreamId::current() == home.id && !state.orphaned && !local::exiting() {
             state.home_drop(id);
         } else {
             self.foreign_drop(home, &mut state, id);

@@ -201,7 +201,9 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Add an operation; run the queue when it reaches its bound.
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
         self.queue.push(op);
-        if self.queue.len() >= self.max_queue_len {
+        // An exiting thread runs nothing (see `local`): its stream is drained by the exit-drain
+        // thread instead.
+        if self.queue.len() >= self.max_queue_len && !super::local::exiting() {
             self.counters.lazy_flushes += 1;
             self.execute_all();
         }

@@ -76,7 +76,8 @@ pub(crate) fn compute(
         (Kernel::Mul, [I32(a), I32(b)]) => I32(zip_with(a, b, i32::wrapping_mul)),
         (Kernel::Scale(f), [F32(a)]) => F32(a.iter().map(|x| x * *f as f32).collect()),
         (Kernel::Exp, [F32(a)]) => F32(a.iter().map(|x| x.exp()).collect()),
-        (Kernel::Sum, [F32(a)]) => F32(vec![a.iter().map(|x| *x as f64).sum::<f64>() as f32]),
+        // Sequential, in element order and in f32: the order the CUDA kernel uses.
+        (Kernel::Sum, [F32(a)]) => F32(vec![a.iter().fold(0.0f32, |s, x| s + x)]),
         (Kernel::Sum, [I32(a)]) => I32(vec![a.iter().fold(0i32, |s, x| s.wrapping_add(*x))]),
         (Kernel::Matmul, [F32(a), F32(b)]) => {
             let (m, n) = (out_shape[0], out_shape[1]);

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build the GPU test binary (tests/gpu.rs) and the CUDA quickstart for a GPU machine, stripped,
+# into gpu-bin/ (git-ignored). No GPU or CUDA toolkit is needed to build.
+#
+# On the GPU machine, from the repository root:
+#   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64
+#   ./gpu-bin/gpu --ignored --test-threads=1                        # the GPU tests
+#   compute-sanitizer --tool memcheck ./gpu-bin/gpu --ignored --test-threads=1
+#   compute-sanitizer --tool synccheck ./gpu-bin/gpu --ignored --test-threads=1
+#   ./gpu-bin/quickstart                                              # the quickstart on CUDA
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# cudarc picks its driver bindings at build time; without a toolkit here, pin CUDA 13.0 (the
+# H200 machine's driver) instead of the newest.
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+mkdir -p gpu-bin
+
+log=$(mktemp)
+cargo test --release --features cuda --test gpu --no-run 2>&1 | tee "$log"
+test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
+cargo build --release --features cuda --example quickstart
+
+cp "$test_bin" gpu-bin/gpu
+cp target/release/examples/quickstart gpu-bin/quickstart
+strip gpu-bin/gpu gpu-bin/quickstart
+ls -la gpu-bin
+echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

@@ -1,0 +1,405 @@
+//! [`CudaRuntime`]: the engine on an NVIDIA GPU, over cubecl-cuda 0.10 (feature `cuda`).
+//!
+//! * **Handles** are cubecl handles: reference-counted device allocations. `alias` is a handle
+//!   clone, and cubecl's `can_mut` is false while two exist, so aliased buffers are never
+//!   written in place.
+//! * **Streams.** Each engine stream runs on its own cubecl stream: the engine runs every
+//!   operation inside `StreamId::executes(stream)`, including when another thread drains the
+//!   stream to share one of its tensors, and cubecl selects its CUDA stream from
+//!   [`burn_backend::StreamId::current`].
+//! * **Cross-stream ordering.** cubecl 0.10 orders a kernel that reads a buffer after that
+//!   buffer's last write on another stream (measured on an H200 by `reference/cuda-probe`, and
+//!   tested by this crate's GPU tests with a long producer).
+//! * **Kernels** are the built-in op set in CubeCL, with the host runtime's
+//!   summation order so that results agree bit for bit where the inputs are exact.
+//! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
+//!   [`crate::Error::KernelFailed`] from the read.
+
+mod kernels;
+
+use std::fmt;
+
+use burn_backend::{DType, Shape, TensorData};
+use burn_fusion::{FusionRuntime, OperationFuser};
+use burn_ir::{TensorIr, TensorStatus};
+use cubecl::Runtime;
+pub use cubecl::cuda::CudaDevice;
+use cubecl::cuda::CudaRuntime as CubeCuda;
+use cubecl::prelude::{ArrayArg, ComputeClient, CubeCount, CubeDim};
+use cubecl::server::Handle;
+
+use crate::host::Unfused;
+use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
+use crate::{Error, Result};
+
+/// The cubecl client of the device.
+pub type CudaClient = ComputeClient<CubeCuda>;
+
+/// A device allocation of the CUDA runtime.
+#[derive(Clone)]
+pub struct CudaHandle {
+    pub(crate) handle: Handle,
+}
+
+impl CudaHandle {
+    /// The cubecl handle.
+    pub fn cubecl(&self) -> &Handle {
+        &self.handle
+    }
+}
+
+impl fmt::Debug for CudaHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaHandle")
+            .field("stream", &self.handle.stream)
+            .field("can_mut", &self.handle.can_mut())
+            .finish()
+    }
+}
+
+/// Per-client state of a CUDA device: its cubecl client.
+pub struct CudaContext {
+    device: CudaDevice,
+    client: CudaClient,
+}
+
+impl CudaContext {
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The cubecl client.
+    pub fn client(&self) -> &CudaClient {
+        &self.client
+    }
+}
+
+impl fmt::Debug for CudaContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaContext")
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// The engine on an NVIDIA GPU through cubecl-cuda 0.10. See the [module docs](self).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CudaRuntime;
+
+impl CudaRuntime {
+    /// Whether a CUDA driver and at least one device are present. Never panics (cubecl's client
+    /// creation does when there is no driver), so callers can fall back to another runtime.
+    pub fn is_available() -> bool {
+        // SAFETY: loading a shared library runs its initialisers. This loads NVIDIA's driver
+        // library by its standard names, the library cubecl itself loads for this runtime.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return false;
+        }
+        cudarc::driver::result::init().is_ok()
+            && cudarc::driver::result::device::get_count().is_ok_and(|n| n > 0)
+    }
+}
+
+impl FusionRuntime for CudaRuntime {
+    type OptimizationState = ();
+    type Optimization = Unfused;
+    type FusionHandle = CudaHandle;
+    type FusionDevice = CudaDevice;
+
+    fn fusers(_: CudaDevice) -> Vec<Box<dyn OperationFuser<Unfused>>> {
+        Vec::new()
+    }
+}
+
+fn runtime_error(what: &str, error: impl fmt::Display) -> Error {
+    Error::Runtime(format!("{what}: {error}").into())
+}
+
+fn device_error(kernel: &str, error: impl fmt::Display) -> Error {
+    Error::KernelFailed {
+        kernel: kernel.into(),
+        message: error.to_string().into(),
+    }
+}
+
+/// An allocation of at least one element: cubecl does not hand out empty buffers.
+fn empty(client: &CudaClient, bytes: usize) -> Handle {
+    client.empty(bytes.max(4))
+}
+
+fn cubes(n: usize) -> CubeCount {
+    CubeCount::Static((n as u32).div_ceil(kernels::BLOCK).max(1), 1, 1)
+}
+
+fn dim() -> CubeDim {
+    CubeDim::new_1d(kernels::BLOCK)
+}
+
+fn array(handle: &Handle, len: usize) -> ArrayArg<CubeCuda> {
+    // SAFETY: every handle passed here is an allocation of at least `len` elements of the
+    // kernel's element type: operand handles hold tensors of the IR's shape and dtype (checked
+    // at registration), outputs are allocated for the output's shape and dtype just before.
+    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
+}
+
+impl StreamRuntime for CudaRuntime {
+    type Context = CudaContext;
+
+    fn name() -> &'static str {
+        "cuda"
+    }
+
+    fn open(device: &CudaDevice) -> Result<CudaContext> {
+        let client = std::panic::catch_unwind(|| CubeCuda::client(device))
+            .map_err(|_| Error::Runtime("could not open the CUDA device".into()))?;
+        Ok(CudaContext {
+            device: device.clone(),
+            client,
+        })
+    }
+
+    fn upload(ctx: &CudaContext, data: &TensorData) -> Result<CudaHandle> {
+        if !matches!(data.dtype, DType::F32 | DType::I32) {
+            return Err(Error::UnsupportedDType {
+                op: "from_data",
+                dtype: data.dtype,
+            });
+        }
+        let handle = if data.bytes.is_empty() {
+            empty(&ctx.client, 0)
+        } else {
+            ctx.client.create_from_slice(&data.bytes)
+        };
+        Ok(CudaHandle { handle })
+    }
+
+    fn read(
+        ctx: &CudaContext,
+        handle: &CudaHandle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        let bytes = ctx
+            .client
+            .read_one(handle.handle.clone())
+            .map_err(|e| device_error("read", e))?;
+        let len = shape.num_elements() * dtype.size();
+        if bytes.len() < len {
+            return Err(runtime_error(
+                "read",
+                format!("{} bytes for a {len}-byte tensor", bytes.len()),
+            ));
+        }
+        Ok(TensorData::from_bytes_vec(
+            bytes[..len].to_vec(),
+            shape.clone(),
+            dtype,
+        ))
+    }
+
+    fn can_mut(handle: &CudaHandle) -> bool {
+        handle.handle.can_mut()
+    }
+
+    fn synchronize(ctx: &CudaContext) -> Result<()> {
+        cubecl::future::block_on(ctx.client.sync()).map_err(|e| device_error("synchronize", e))
+    }
+
+    fn supports(kernel: &Kernel, dtype: DType) -> bool {
+        match kernel {
+            Kernel::Add | Kernel::Mul | Kernel::Sum | Kernel::Fill(_) => {
+                matches!(dtype, DType::F32 | DType::I32)
+            }
+            Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype == DType::F32,
+            // Device faults poison a CUDA context for every stream; fault injection is a host
+            // runtime facility.
+            Kernel::FailOnDevice => false,
+        }
+    }
+
+    fn launch(
+        ctx: &CudaContext,
+        kernel: &Kernel,
+        inputs: KernelInputs<'_, CudaHandle>,
+        out: &TensorIr,
+    ) -> Result<CudaHandle> {
+        let client = &ctx.client;
+        let n = out.shape.num_elements();
+        let bytes = n * out.dtype.size();
+        let in_place = inputs.first().is_some_and(|first| {
+            first.ir.status == TensorStatus::ReadWrite
+                && first.ir.dtype == out.dtype
+                && first.ir.shape == out.shape
+                && first.handle.handle.can_mut()
+        });
+        let handle = |i: usize| &inputs[i].handle.handle;
+        let len = |i: usize| inputs[i].ir.shape.num_elements();
+        macro_rules! numeric {
+            ($dtype:expr, |$t:ident| $body:expr) => {
+                match $dtype {
+                    DType::F32 => {
+                        type $t = f32;
+                        $body
+                    }
+                    DType::I32 => {
+                        type $t = i32;
+                        $body
+                    }
+                    other => {
+                        return Err(Error::UnsupportedDType {
+                            op: kernel.name(),
+                            dtype: other,
+                        });
+                    }
+                }
+            };
+        }
+
+        let target = match kernel {
+            Kernel::Add | Kernel::Mul if in_place => {
+                let target = handle(0).clone();
+                numeric!(out.dtype, |T| {
+                    let (lhs, rhs) = (array(&target, n), array(handle(1), len(1)));
+                    if matches!(kernel, Kernel::Add) {
+                        kernels::add_in_place_kernel::launch::<T, CubeCuda>(
+                            client,
+                            cubes(n),
+                            dim(),
+                            lhs,
+                            rhs,
+                        )
+                    } else {
+                        kernels::mul_in_place_kernel::launch::<T, CubeCuda>(
+                            client,
+                            cubes(n),
+                            dim(),
+                            lhs,
+                            rhs,
+                        )
+                    }
+                });
+                target
+            }
+            Kernel::Add | Kernel::Mul => {
+                let target = empty(client, bytes);
+                numeric!(out.dtype, |T| {
+                    let (lhs, rhs, o) = (
+                        array(handle(0), len(0)),
+                        array(handle(1), len(1)),
+                        array(&target, n),
+                    );
+                    if matches!(kernel, Kernel::Add) {
+                        kernels::add_kernel::launch::<T, CubeCuda>(
+                            client,
+                            cubes(n),
+                            dim(),
+                            lhs,
+                            rhs,
+                            o,
+                        )
+                    } else {
+                        kernels::mul_kernel::launch::<T, CubeCuda>(
+                            client,
+                            cubes(n),
+                            dim(),
+                            lhs,
+                            rhs,
+                            o,
+                        )
+                    }
+                });
+                target
+            }
+            Kernel::Scale(factor) if in_place => {
+                let target = handle(0).clone();
+                kernels::scale_in_place_kernel::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(&target, n),
+                    *factor as f32,
+                );
+                target
+            }
+            Kernel::Scale(factor) => {
+                let target = empty(client, bytes);
+                kernels::scale_kernel::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(handle(0), len(0)),
+                    array(&target, n),
+                    *factor as f32,
+                );
+                target
+            }
+            Kernel::Exp if in_place => {
+                let target = handle(0).clone();
+                kernels::exp_in_place_kernel::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(&target, n),
+                );
+                target
+            }
+            Kernel::Exp => {
+                let target = empty(client, bytes);
+                kernels::exp_kernel::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(handle(0), len(0)),
+                    array(&target, n),
+                );
+                target
+            }
+            Kernel::Sum => {
+                let target = empty(client, bytes);
+                numeric!(out.dtype, |T| kernels::sum_kernel::launch::<T, CubeCuda>(
+                    client,
+                    CubeCount::Static(1, 1, 1),
+                    CubeDim::new_1d(1),
+                    array(handle(0), len(0)),
+                    array(&target, 1),
+                ));
+                target
+            }
+            Kernel::Matmul => {
+                let target = empty(client, bytes);
+                let k = inputs[0].ir.shape[1] as u32;
+                let cols = out.shape[1] as u32;
+                kernels::matmul_kernel::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(handle(0), len(0)),
+                    array(handle(1), len(1)),
+                    array(&target, n),
+                    k,
+                    cols,
+                );
+                target
+            }
+            Kernel::Fill(value) => {
+                let target = empty(client, bytes);
+                numeric!(out.dtype, |T| kernels::fill_kernel::launch::<T, CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(&target, n),
+                    *value as f32,
+                ));
+                target
+            }
+            Kernel::FailOnDevice => {
+                return Err(Error::UnsupportedDType {
+                    op: kernel.name(),
+                    dtype: out.dtype,
+                });
+            }
+        };
+        Ok(CudaHandle { handle: target })
+    }
+}

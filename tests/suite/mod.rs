@@ -1,0 +1,276 @@
+//! The cross-thread tests that make sense on any device, generic over the runtime.
+//!
+//! Instantiated for the host runtime in `suite_host.rs` (CI) and for CUDA in `gpu.rs`. Checks are
+//! engine-level (handles, shares, drains, frees) and value-level; nothing here depends on the
+//! device's own counters.
+#![allow(dead_code)]
+
+use burn_backend::{DType, StreamId, TensorData};
+use burn_ir::{CustomOpIr, HandleContainer};
+use fusion_streams::runtime::{Kernel, StreamRuntime};
+use fusion_streams::{Error, FusionClient, FusionTensor, Operand};
+
+use crate::common::Peer;
+
+pub fn f32s<R: StreamRuntime>(c: &FusionClient<R>, values: &[f32]) -> FusionTensor<R> {
+    c.from_data(TensorData::new(values.to_vec(), [values.len()]))
+        .unwrap()
+}
+
+pub fn matrix<R: StreamRuntime>(
+    c: &FusionClient<R>,
+    values: Vec<f32>,
+    rows: usize,
+    cols: usize,
+) -> FusionTensor<R> {
+    c.from_data(TensorData::new(values, [rows, cols])).unwrap()
+}
+
+pub fn values<R: StreamRuntime>(t: &FusionTensor<R>) -> Vec<f32> {
+    t.to_vec::<f32>().unwrap()
+}
+
+/// Run every stream's pending work and wait for the current stream's device work.
+pub fn settle<R: StreamRuntime>(c: &FusionClient<R>) {
+    c.streams().drain_all();
+    c.sync().unwrap();
+}
+
+/// Every built-in agrees with plain Rust arithmetic (exactly where the values are exact).
+pub fn builtins_match_reference<R: StreamRuntime>(c: &FusionClient<R>) {
+    let a = [1.0f32, -2.0, 3.5, 4.0];
+    let b = [0.5f32, 2.0, -1.0, 8.0];
+    let (ta, tb) = (f32s(c, &a), f32s(c, &b));
+    let zip = |f: fn(f32, f32) -> f32| a.iter().zip(&b).map(|(x, y)| f(*x, *y)).collect::<Vec<_>>();
+    assert_eq!(values(&ta.add(&tb).unwrap()), zip(|x, y| x + y), "add");
+    assert_eq!(values(&ta.mul(&tb).unwrap()), zip(|x, y| x * y), "mul");
+    assert_eq!(
+        values(&ta.scale(-3.0).unwrap()),
+        a.iter().map(|x| x * -3.0).collect::<Vec<_>>(),
+        "scale"
+    );
+    for (got, x) in values(&ta.exp().unwrap()).iter().zip(a) {
+        assert!(
+            (got - x.exp()).abs() <= 1e-6 * x.exp().max(1.0),
+            "exp({x}) = {got}"
+        );
+    }
+    assert_eq!(
+        values(&ta.sum().unwrap()),
+        vec![a.iter().sum::<f32>()],
+        "sum"
+    );
+    let mv: Vec<f32> = (0..6).map(|i| i as f32 - 2.0).collect();
+    let nv: Vec<f32> = (0..12).map(|i| (i % 5) as f32).collect();
+    let (m, n) = (matrix(c, mv.clone(), 2, 3), matrix(c, nv.clone(), 3, 4));
+    let mut want = vec![0.0f32; 8];
+    for i in 0..2 {
+        for j in 0..4 {
+            for p in 0..3 {
+                want[i * 4 + j] += mv[i * 3 + p] * nv[p * 4 + j];
+            }
+        }
+    }
+    assert_eq!(values(&m.matmul(&n).unwrap()), want, "matmul");
+    assert_eq!(
+        values(&c.fill([3], 2.5, DType::F32).unwrap()),
+        vec![2.5; 3],
+        "fill"
+    );
+    let i = c
+        .from_data(TensorData::new(vec![3i32, -4, 5], [3]))
+        .unwrap();
+    assert_eq!(
+        i.add(&i).unwrap().to_vec::<i32>().unwrap(),
+        vec![6, -8, 10],
+        "add i32"
+    );
+    assert_eq!(
+        i.sum().unwrap().to_vec::<i32>().unwrap(),
+        vec![4],
+        "sum i32"
+    );
+    let consumed = c
+        .launch(Kernel::Scale(2.0), [Operand::Consume(f32s(c, &a))])
+        .unwrap();
+    assert_eq!(
+        values(&consumed),
+        a.iter().map(|x| x * 2.0).collect::<Vec<_>>(),
+        "scale of a consumed operand (in place when allowed)"
+    );
+}
+
+pub fn pending_share_drains_then_aliases<R: StreamRuntime>(c: &FusionClient<R>) {
+    let main = StreamId::current();
+    let x = f32s(c, &[1.0, 2.0, 3.0]);
+    let y = x.scale(2.0).unwrap();
+    assert!(!c.streams().holds(main, y.id()));
+    let peer = Peer::spawn();
+    let y2 = y.clone();
+    let view = peer.run(move || y2.clone());
+    assert_ne!(view.id(), y.id());
+    assert!(c.streams().holds(main, y.id()), "drained");
+    let s = c.stats();
+    assert_eq!((s.shares, s.share_drains), (1, 1));
+    let got = peer.run(move || values(&view.scale(1.0).unwrap()));
+    assert_eq!(got, vec![2.0, 4.0, 6.0]);
+}
+
+pub fn materialised_share_does_not_drain<R: StreamRuntime>(c: &FusionClient<R>) {
+    let x = f32s(c, &[4.0, 5.0]);
+    let peer = Peer::spawn();
+    let x2 = x.clone();
+    let view = peer.run(move || x2.clone());
+    let s = c.stats();
+    assert_eq!((s.share_drains, s.share_fast_paths), (0, 1));
+    assert_eq!(
+        peer.run(move || values(&view.add(&view).unwrap())),
+        vec![8.0, 10.0]
+    );
+}
+
+pub fn chained_share_drains_once<R: StreamRuntime>(c: &FusionClient<R>) {
+    let x = f32s(c, &[1.0, 2.0]);
+    let y = x.scale(10.0).unwrap();
+    let (peer, grandpeer) = (Peer::spawn(), Peer::spawn());
+    let y2 = y.clone();
+    let at_peer = peer.run(move || {
+        let v = y2.clone();
+        let forwarded = v.clone();
+        (v, forwarded)
+    });
+    let forwarded = at_peer.1;
+    let at_grandpeer = grandpeer.run(move || forwarded.clone());
+    let s = c.stats();
+    assert_eq!(s.share_drains, 1, "no second drain along the chain");
+    assert_eq!(s.shared_sources, 1);
+    assert_eq!(values(&at_grandpeer), vec![10.0, 20.0]);
+    drop((y, at_peer.0, at_grandpeer));
+}
+
+/// Every drop order of an original and its alias, each on its home or a foreign thread: the
+/// survivor keeps its data, and each id is freed exactly once.
+pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(new: impl Fn() -> FusionClient<R>) {
+    for original_first in [true, false] {
+        for original_home in [true, false] {
+            for alias_home in [true, false] {
+                let case = format!("{original_first} {original_home} {alias_home}");
+                let c = new();
+                let original = f32s(&c, &[7.0, 8.0]);
+                let peer = Peer::spawn();
+                let o2 = original.clone();
+                let alias = peer.run(move || o2.clone());
+                let drop_original = |t: FusionTensor<R>| {
+                    if original_home {
+                        drop(t)
+                    } else {
+                        peer.run(move || drop(t))
+                    }
+                };
+                let drop_alias = |t: FusionTensor<R>| {
+                    if alias_home {
+                        peer.run(move || drop(t))
+                    } else {
+                        drop(t)
+                    }
+                };
+                let survivor = if original_first {
+                    drop_original(original);
+                    alias
+                } else {
+                    drop_alias(alias);
+                    original
+                };
+                settle(&c);
+                assert_eq!(c.stats().live_handles, 1, "{case}");
+                assert_eq!(values(&survivor), vec![7.0, 8.0], "{case}");
+                if original_first {
+                    drop_alias(survivor)
+                } else {
+                    drop_original(survivor)
+                }
+                settle(&c);
+                let s = c.stats();
+                assert_eq!((s.live_handles, s.frees), (0, 2), "{case}");
+                peer.join();
+            }
+        }
+    }
+}
+
+pub fn foreign_drop_under_a_pending_reader_is_deferred<R: StreamRuntime>(c: &FusionClient<R>) {
+    let main = StreamId::current();
+    let x = f32s(c, &[1.0, 2.0]);
+    let y = x.scale(3.0).unwrap();
+    let x_id = x.id();
+    let peer = Peer::spawn();
+    peer.run(move || drop(x));
+    assert_eq!(c.stats().deferred_frees, 1);
+    assert!(c.streams().holds(main, x_id));
+    assert_eq!(values(&y), vec![3.0, 6.0]);
+    assert!(!c.streams().holds(main, x_id));
+}
+
+pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
+    let x = f32s(c, &[1.0]);
+    let bad = c
+        .op("boom")
+        .read(&x)
+        .output([1], DType::F32)
+        .execute(|_: &CustomOpIr, _: &mut HandleContainer<R::FusionHandle>| {
+            Err(Error::operation("boom", "injected"))
+        })
+        .unwrap()
+        .remove(0);
+    let downstream = bad.scale(2.0).unwrap().add(&x).unwrap();
+    let peer = Peer::spawn();
+    let d2 = downstream.clone();
+    let err = peer.run(move || d2.clone().exp().unwrap().read().unwrap_err());
+    assert!(
+        matches!(&err, Error::OperationFailed { op, .. } if &**op == "boom"),
+        "{err:?}"
+    );
+    assert_eq!(
+        values(&x.scale(4.0).unwrap()),
+        vec![4.0],
+        "unrelated work unaffected"
+    );
+}
+
+/// A consuming op on the original must not write the buffer a view on another thread still
+/// reads.
+pub fn in_place_is_refused_while_an_alias_lives<R: StreamRuntime>(c: &FusionClient<R>) {
+    let shared = f32s(c, &[1.0, 2.0]);
+    let peer = Peer::spawn();
+    let s2 = shared.clone();
+    let view = peer.run(move || s2.clone());
+    let out = c
+        .launch(Kernel::Scale(5.0), [Operand::Consume(shared)])
+        .unwrap();
+    assert_eq!(values(&out), vec![5.0, 10.0]);
+    assert_eq!(peer.run(move || values(&view)), vec![1.0, 2.0]);
+}
+
+/// After cross-thread work and every tensor gone, the engine holds nothing.
+pub fn nothing_leaks_after_cross_thread_work<R: StreamRuntime>(c: &FusionClient<R>) {
+    let peers: Vec<Peer> = (0..3).map(|_| Peer::spawn()).collect();
+    let x = f32s(c, &[1.0, 2.0, 3.0, 4.0]);
+    let mut results = Vec::new();
+    for (i, peer) in peers.iter().enumerate() {
+        let x2 = x.scale(i as f64 + 1.0).unwrap();
+        results.push(peer.run(move || {
+            let v = x2.clone();
+            let r = v.mul(&v).unwrap().sum().unwrap();
+            drop((v, x2));
+            r
+        }));
+    }
+    for (i, r) in results.iter().enumerate() {
+        let f = (i + 1) as f32;
+        assert_eq!(values(r), vec![30.0 * f * f]);
+    }
+    drop((x, results));
+    drop(peers);
+    settle(c);
+    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+}

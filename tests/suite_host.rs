@@ -1,0 +1,52 @@
+//! The runtime-generic cross-thread suite (`tests/suite/`) on the host runtime. The same suite
+//! runs on CUDA in `gpu.rs`.
+
+mod common;
+mod suite;
+
+use common::client;
+
+#[test]
+fn builtins_match_reference() {
+    suite::builtins_match_reference(&client());
+}
+
+#[test]
+fn pending_share_drains_then_aliases() {
+    suite::pending_share_drains_then_aliases(&client());
+}
+
+#[test]
+fn materialised_share_does_not_drain() {
+    suite::materialised_share_does_not_drain(&client());
+}
+
+#[test]
+fn chained_share_drains_once() {
+    suite::chained_share_drains_once(&client());
+}
+
+#[test]
+fn every_drop_order_frees_each_id_once() {
+    suite::every_drop_order_frees_each_id_once(client);
+}
+
+#[test]
+fn foreign_drop_under_a_pending_reader_is_deferred() {
+    suite::foreign_drop_under_a_pending_reader_is_deferred(&client());
+}
+
+#[test]
+fn errors_travel_across_threads() {
+    suite::errors_travel_across_threads(&client());
+}
+
+#[test]
+fn in_place_is_refused_while_an_alias_lives() {
+    suite::in_place_is_refused_while_an_alias_lives(&client());
+}
+
+#[test]
+fn nothing_leaks_after_cross_thread_work() {
+    suite::nothing_leaks_after_cross_thread_work(&client());
+}
