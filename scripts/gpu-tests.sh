@@ -8,6 +8,7 @@
 #   compute-sanitizer --tool memcheck ./gpu-bin/gpu --ignored --test-threads=1
 #   compute-sanitizer --tool synccheck ./gpu-bin/gpu --ignored --test-threads=1
 #   ./gpu-bin/quickstart                                              # the quickstart on CUDA
+#   ./gpu-bin/engine --bench cuda                                     # the CUDA engine benchmark
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # cudarc picks its driver bindings at build time; without a toolkit here, pin CUDA 13.0 (the
@@ -19,9 +20,12 @@ log=$(mktemp)
 cargo test --release --features cuda --test gpu --no-run 2>&1 | tee "$log"
 test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
 cargo build --release --features cuda --example quickstart
+cargo bench --features cuda --bench engine --no-run 2>&1 | tee "$log"
+bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
 
 cp "$test_bin" gpu-bin/gpu
 cp target/release/examples/quickstart gpu-bin/quickstart
-strip gpu-bin/gpu gpu-bin/quickstart
+cp "$bench_bin" gpu-bin/engine
+strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/engine
 ls -la gpu-bin
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

@@ -165,6 +165,19 @@ impl<R: StreamRuntime> FusionTensor<R> {
         inner.client.read_entry(entry, &inner.shape, inner.dtype)
     }
 
+    /// A second owner of the tensor's backend handle, once its producer has run (the home
+    /// stream is drained if needed), for interoperating with backend code.
+    ///
+    /// The handle makes the buffer ineligible for in-place reuse while it lives. The device may
+    /// still be writing it: order any access after the producer on the device side.
+    pub fn handle(&self) -> Result<R::FusionHandle> {
+        let inner = &self.inner;
+        match inner.client.streams().read_entry(&inner.home, inner.id)? {
+            crate::stream::Entry::Handle(handle) => Ok(handle),
+            crate::stream::Entry::Failed(error) => Err(error),
+        }
+    }
+
     /// Like [`FusionTensor::read`], consuming the tensor: when it is the last reference to its id,
     /// the id is released in the same step as the read (as its last drop would release it:
     /// behind any pending operation that still reads it).

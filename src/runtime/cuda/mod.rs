@@ -123,12 +123,23 @@ fn device_error(kernel: &str, error: impl fmt::Display) -> Error {
     }
 }
 
+/// Run a cubecl call, turning a panic into [`Error::KernelFailed`].
+fn contained<T>(what: &str, call: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).map_err(|payload| {
+        match Error::from_panic(what, payload) {
+            Error::OperationPanicked { message, .. } => device_error(what, message),
+            other => other,
+        }
+    })
+}
+
 /// An allocation of at least one element: cubecl does not hand out empty buffers.
 fn empty(client: &CudaClient, bytes: usize) -> Handle {
     client.empty(bytes.max(4))
 }
 
 fn cubes(n: usize) -> CubeCount {
+    // `n` fits in u32: `launch` refuses larger tensors first.
     CubeCount::Static((n as u32).div_ceil(kernels::BLOCK).max(1), 1, 1)
 }
 
@@ -180,9 +191,9 @@ impl StreamRuntime for CudaRuntime {
         shape: &Shape,
         dtype: DType,
     ) -> Result<TensorData> {
-        let bytes = ctx
-            .client
-            .read_one(handle.handle.clone())
+        // cubecl reports some device failures by panicking (on its server thread, or here):
+        // either way the caller gets a typed error.
+        let bytes = contained("read", || ctx.client.read_one(handle.handle.clone()))?
             .map_err(|e| device_error("read", e))?;
         let len = shape.num_elements() * dtype.size();
         if bytes.len() < len {
@@ -203,7 +214,10 @@ impl StreamRuntime for CudaRuntime {
     }
 
     fn synchronize(ctx: &CudaContext) -> Result<()> {
-        cubecl::future::block_on(ctx.client.sync()).map_err(|e| device_error("synchronize", e))
+        contained("synchronize", || {
+            cubecl::future::block_on(ctx.client.sync())
+        })?
+        .map_err(|e| device_error("synchronize", e))
     }
 
     fn supports(kernel: &Kernel, dtype: DType) -> bool {
@@ -226,6 +240,16 @@ impl StreamRuntime for CudaRuntime {
     ) -> Result<CudaHandle> {
         let client = &ctx.client;
         let n = out.shape.num_elements();
+        // The kernels index with 32-bit positions.
+        if let Some(big) = std::iter::once(n)
+            .chain(inputs.iter().map(|i| i.ir.shape.num_elements()))
+            .find(|len| u32::try_from(*len).is_err())
+        {
+            return Err(Error::ShapeMismatch {
+                op: kernel.name(),
+                detail: format!("{big} elements: the CUDA kernels index at most 2^32 - 1"),
+            });
+        }
         let bytes = n * out.dtype.size();
         let in_place = inputs.first().is_some_and(|first| {
             first.ir.status == TensorStatus::ReadWrite
