@@ -187,3 +187,193 @@ fn a_buffer_read_on_another_stream_is_not_reused_under_the_reader() {
     drop(junk);
     settle(&c);
 }
+
+mod transfer {
+    //! Source publication on the GPU: the evidence table of the source-publication record.
+    use std::sync::{Arc, Weak};
+
+    use fusion_streams::runtime::cuda::{CudaContext, CudaRuntime};
+    use fusion_streams::transfer::{
+        HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError,
+        SourcePublication, TransferRuntime,
+    };
+
+    use super::{client, ints, matmul_at};
+    use crate::suite::{f32s, matrix, values};
+
+    type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
+
+    fn publish(
+        session: &mut HeldSession<CudaRuntime>,
+        value: Tensor,
+    ) -> SourcePublication<CudaRuntime> {
+        // SAFETY: values are produced by this crate's operations, which cubecl orders before
+        // the session's stream.
+        unsafe { session.publish(value) }.expect("admitted")
+    }
+
+    fn pinned(ctx: &CudaContext, len: usize) -> PinnedHostBuffer {
+        CudaRuntime::alloc_pinned(ctx, len).unwrap()
+    }
+
+    fn download(
+        p: SourcePublication<CudaRuntime>,
+        buffer: PinnedHostBuffer,
+    ) -> PendingDownload<CudaRuntime> {
+        p.download_into(buffer).expect("enqueued")
+    }
+
+    fn floats(buffer: &PinnedHostBuffer) -> Vec<f32> {
+        let n = buffer.len() / 4;
+        buffer
+            .to_data([n], burn_backend::DType::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_publication_survives_session_close() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let x = f32s(&c, &[1.5, -2.0, 3.25]);
+        let p = publish(&mut session, x.scale(2.0).unwrap().add(&x).unwrap());
+        session.close();
+        // No session open on the stream now; the download takes none.
+        HeldSession::open(&c).unwrap().close();
+        let buffer = download(p, pinned(c.context(), 12)).wait().unwrap();
+        assert_eq!(floats(&buffer), vec![4.5, -6.0, 9.75]);
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_frontier_is_not_ready_right_after_a_large_producer() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let n = 2048;
+        let (a, b) = (ints(n * n, 3), ints(n * n, 6));
+        let product = matrix(&c, a.clone(), n, n)
+            .matmul(&matrix(&c, b.clone(), n, n))
+            .unwrap();
+        let started = std::time::Instant::now();
+        let mut p = publish(&mut session, product);
+        let publish_took = started.elapsed();
+        let started = std::time::Instant::now();
+        let ready_now = p.frontier_ready().unwrap();
+        let poll_took = started.elapsed();
+        println!("publish {publish_took:?}, frontier_ready {poll_took:?} -> {ready_now}");
+        assert!(!ready_now, "frontier ready right after a ~0.3 s producer");
+        p.await_frontier().unwrap();
+        assert!(p.frontier_ready().unwrap());
+        let got = floats(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
+        for (i, j) in [(0, 0), (9, 2047), (2047, 2047)] {
+            assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_publication_retains_its_allocation_without_any_source_handle() {
+        let c = client();
+        let runtime: Weak<CudaContext> = Arc::downgrade(c.context());
+        let mut session = HeldSession::open(&c).unwrap();
+        let buffer = pinned(c.context(), 12);
+        let x = f32s(&c, &[7.0, 8.0, 9.0]);
+        let p = publish(&mut session, x.scale(-1.0).unwrap());
+        session.close();
+        drop((x, c));
+        assert!(
+            runtime.upgrade().is_some(),
+            "the publication pins the runtime"
+        );
+        let buffer = download(p, buffer).wait().unwrap();
+        assert_eq!(floats(&buffer), vec![-7.0, -8.0, -9.0]);
+        assert!(runtime.upgrade().is_none(), "torn down with its last owner");
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_lifecycle_retire_release_forget_reject() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let n = 2048;
+        let (a, b) = (ints(n * n, 1), ints(n * n, 2));
+        let product = matrix(&c, a, n, n).matmul(&matrix(&c, b, n, n)).unwrap();
+        drop(publish(&mut session, product)); // frontier in flight: retired, not waited for
+        assert_eq!(c.context().retirement().stats().pending, 1);
+        session.synchronize().unwrap();
+        let s = c.context().retirement().stats();
+        assert_eq!((s.pending, s.released), (0, 1), "synchronize released it");
+
+        let forgotten = publish(&mut session, f32s(&c, &[1.0]));
+        std::mem::forget(forgotten);
+        session.synchronize().unwrap();
+        assert_eq!(
+            c.context().retirement().stats().released,
+            1,
+            "forget leaks in place"
+        );
+
+        let other = client();
+        let foreign = f32s(&other, &[4.0]);
+        match unsafe { session.publish(foreign) } {
+            Err(PublicationAdmissionError::Rejected(r)) => assert_eq!(values(&r.value), vec![4.0]),
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_wrong_length_buffer_is_refused_with_both_owners_back_and_buffers_are_reused() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let p = publish(&mut session, f32s(&c, &[1.0, 2.0]));
+        let (p, wrong, reason) = p
+            .download_into(pinned(c.context(), 12))
+            .unwrap_err()
+            .into_parts();
+        assert!(matches!(
+            reason,
+            fusion_streams::Error::BufferSize {
+                expected: 8,
+                found: 12
+            }
+        ));
+        assert_eq!(wrong.len(), 12);
+        let mut buffer = download(p, pinned(c.context(), 8)).wait().unwrap();
+        assert_eq!(floats(&buffer), vec![1.0, 2.0]);
+        let address = buffer.as_bytes().as_ptr();
+        for round in 1..4 {
+            let p = publish(&mut session, f32s(&c, &[round as f32, -(round as f32)]));
+            buffer = download(p, buffer).wait().unwrap();
+            assert_eq!(buffer.as_bytes().as_ptr(), address);
+            assert_eq!(floats(&buffer), vec![round as f32, -(round as f32)]);
+        }
+    }
+
+    /// A value produced on another stream (thread) is published from this session through a
+    /// view; the frontier also covers the stream that produced it.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_value_from_another_stream_is_published_exactly() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let peer = crate::common::Peer::spawn();
+        let n = 2048;
+        let (a, b) = (ints(n * n, 4), ints(n * n, 5));
+        let (c2, a2, b2) = (c.clone(), a.clone(), b.clone());
+        let product = peer.run(move || {
+            let p = matrix(&c2, a2, n, n)
+                .matmul(&matrix(&c2, b2, n, n))
+                .unwrap();
+            c2.drain();
+            p
+        });
+        let p = publish(&mut session, product);
+        let got = floats(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
+        for (i, j) in [(0, 0), (100, 2000), (2047, 1)] {
+            assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
+        }
+    }
+}

@@ -56,6 +56,8 @@ pub use error::{
     PublicationRejected,
 };
 pub use pinned::PinnedHostBuffer;
+#[cfg(feature = "cuda")]
+pub(crate) use pinned::PinnedMemory;
 pub use publication::{PendingDownload, SourcePublication};
 pub use retirement::{Retire, RetirementQueue, RetirementStats};
 pub use session::HeldSession;

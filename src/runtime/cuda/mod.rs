@@ -16,6 +16,12 @@
 //!   [`crate::Error::KernelFailed`] from the read.
 
 mod kernels;
+mod transfer;
+
+pub use transfer::CudaEvent;
+
+/// Bound of the device's retirement queue (drainable side).
+const RETIREMENT_CAPACITY: usize = 256;
 
 use std::fmt;
 
@@ -57,9 +63,13 @@ impl fmt::Debug for CudaHandle {
     }
 }
 
-/// Per-client state of a CUDA device: its cubecl client.
+/// Per-client state of a CUDA device: its cubecl client, and the transfer machinery.
 pub struct CudaContext {
     device: CudaDevice,
+    // Drop order: the transfer waiters finish their jobs and synchronise their copy streams
+    // before the retirement queue releases its records and before the client goes.
+    transfer: transfer::TransferSlot,
+    retirement: crate::transfer::RetirementQueue<crate::transfer::Retired<CudaRuntime>>,
     client: CudaClient,
 }
 
@@ -166,6 +176,8 @@ impl StreamRuntime for CudaRuntime {
             .map_err(|_| Error::Runtime("could not open the CUDA device".into()))?;
         Ok(CudaContext {
             device: device.clone(),
+            transfer: Default::default(),
+            retirement: crate::transfer::RetirementQueue::new(RETIREMENT_CAPACITY),
             client,
         })
     }
@@ -217,7 +229,8 @@ impl StreamRuntime for CudaRuntime {
         contained("synchronize", || {
             cubecl::future::block_on(ctx.client.sync())
         })?
-        .map_err(|e| device_error("synchronize", e))
+        .map_err(|e| device_error("synchronize", e))?;
+        ctx.settle_transfers()
     }
 
     fn supports(kernel: &Kernel, dtype: DType) -> bool {

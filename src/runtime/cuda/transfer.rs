@@ -1,0 +1,554 @@
+//! The CUDA transfer path: frontiers, downloads into pinned memory, CUDA events.
+//!
+//! # Route
+//!
+//! cubecl 0.10 does not expose its `CUstream`s, and its fence future blocks when polled, so
+//! frontiers cannot be multiplexed on one thread. Each captured stream therefore gets a *waiter*
+//! thread, which handles that stream's transfer jobs in order:
+//!
+//! 1. **Frontier.** `publish` only enqueues a job (no server round trip on the caller's thread).
+//!    The waiter records cubecl's fence on the captured stream (and on the stream that created the
+//!    value's buffer, if different) and waits for it. The frontier thus covers everything
+//!    dispatched before `publish`, possibly a little more (work the session dispatched meanwhile),
+//!    which delays readiness but never reports it early. `frontier_ready` reads a state and never
+//!    waits.
+//! 2. **Download.** Behind the frontier (same waiter, same order), the waiter resolves the device
+//!    pointer (`get_resource`), enqueues `cuMemcpyDtoHAsync` from it into the caller's buffer on
+//!    its own non-blocking stream, and records a CUDA event. `is_ready` is a `cuEventQuery`; an
+//!    error is reported as an error, never as "not ready". The cubecl `Handle` clone and the
+//!    `ManagedResource` are held until that event has completed, so the allocation cannot be
+//!    reused under the copy.
+//!
+//! A stuck stream delays only its own later jobs, which the device orders after it anyway: there
+//! is no head-of-line blocking across streams. The cost is a host hop between frontier and copy.
+//!
+//! Teardown (dropping the last owner of the runtime context) lets every waiter finish its jobs,
+//! synchronises its copy stream, and only then releases the retirement queue.
+
+use std::any::Any;
+use std::cell::Cell;
+use std::fmt;
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+
+use burn_backend::{DType, StreamId};
+use cubecl::server::Handle;
+use cudarc::driver::{result, sys};
+use hashbrown::HashMap;
+use parking_lot::{Condvar, Mutex};
+
+use super::{CudaContext, CudaHandle, CudaRuntime};
+use crate::transfer::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
+use crate::{Error, Result};
+
+fn driver(what: &str, error: impl fmt::Debug) -> Error {
+    Error::KernelFailed {
+        kernel: what.into(),
+        message: format!("{error:?}").into(),
+    }
+}
+
+/// The device's primary context, retained while memory or events of this crate may use it.
+pub(crate) struct PrimaryContext {
+    context: sys::CUcontext,
+    device: sys::CUdevice,
+}
+
+// SAFETY: a CUcontext and a CUdevice are driver handles; the driver API accepts them from any
+// thread (making the context current per thread is done explicitly before each use).
+unsafe impl Send for PrimaryContext {}
+// SAFETY: see `Send`: `&PrimaryContext` only exposes the handles.
+unsafe impl Sync for PrimaryContext {}
+
+std::thread_local! {
+    /// The context last made current on this thread (a `Cell` of a plain integer: no
+    /// destructor, usable during thread exit).
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+impl PrimaryContext {
+    fn retain(ordinal: usize) -> Result<Arc<Self>> {
+        result::init().map_err(|e| driver("cuInit", e))?;
+        let device = result::device::get(ordinal as i32).map_err(|e| driver("cuDeviceGet", e))?;
+        // SAFETY: `device` is a valid device handle just returned by the driver.
+        let context = unsafe { result::primary_ctx::retain(device) }
+            .map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Arc::new(Self { context, device }))
+    }
+
+    /// Make the primary context current on this thread (once per thread).
+    fn make_current(&self) -> Result<()> {
+        let key = self.context as usize;
+        if CURRENT.with(Cell::get) == key {
+            return Ok(());
+        }
+        // SAFETY: `context` is retained for as long as `self` lives.
+        unsafe { result::ctx::set_current(self.context) }
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        CURRENT.with(|c| c.set(key));
+        Ok(())
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `PrimaryContext::retain`.
+        let _ = unsafe { result::primary_ctx::release(self.device) };
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (portable, not write-combined: CPU reads of
+/// write-combined memory are very slow).
+struct CudaPinned {
+    ptr: *mut u8,
+    len: usize,
+    primary: Arc<PrimaryContext>,
+}
+
+// SAFETY: the allocation is owned by this value; exclusive access is enforced by
+// `PinnedHostBuffer` (the user or one in-flight copy, never both).
+unsafe impl Send for CudaPinned {}
+// SAFETY: see `Send`.
+unsafe impl Sync for CudaPinned {}
+
+impl CudaPinned {
+    fn new(primary: &Arc<PrimaryContext>, len: usize) -> Result<Self> {
+        primary.make_current()?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `ptr` is a valid out-pointer; the primary context is current.
+        unsafe { sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .result()
+            .map_err(|e| driver("cuMemHostAlloc", e))?;
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+            primary: primary.clone(),
+        })
+    }
+}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        // Freed with the context it was allocated in still retained (`primary`).
+        if self.primary.make_current().is_ok() {
+            // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once, when no copy can
+            // touch it any more (the buffer is dropped only by its owner).
+            let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+        }
+    }
+}
+
+impl PinnedMemory for CudaPinned {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn kind(&self) -> &'static str {
+        "cuMemHostAlloc"
+    }
+}
+
+enum State {
+    /// Not reached yet (a frontier), or not enqueued yet (a copy waiting for its frontier).
+    Pending,
+    /// A copy enqueued on a waiter's stream; `keep` holds what it reads and writes.
+    Enqueued {
+        event: sys::CUevent,
+        keep: Box<dyn Any + Send>,
+    },
+    Done(Result<()>),
+}
+
+struct EventInner {
+    state: Mutex<State>,
+    changed: Condvar,
+    primary: Arc<PrimaryContext>,
+}
+
+// SAFETY: the raw `CUevent` in `State` is only used under the mutex, with the primary context
+// made current first; the driver accepts it from any thread.
+unsafe impl Send for EventInner {}
+// SAFETY: see `Send`.
+unsafe impl Sync for EventInner {}
+
+/// A completion event of the CUDA runtime: a frontier, or a copy's CUDA event.
+#[derive(Clone)]
+pub struct CudaEvent(Arc<EventInner>);
+
+impl fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &*self.0.state.lock() {
+            State::Pending => "pending",
+            State::Enqueued { .. } => "enqueued",
+            State::Done(Ok(())) => "done",
+            State::Done(Err(_)) => "failed",
+        };
+        f.debug_tuple("CudaEvent").field(&state).finish()
+    }
+}
+
+impl CudaEvent {
+    fn pending(primary: &Arc<PrimaryContext>) -> Self {
+        Self(Arc::new(EventInner {
+            state: Mutex::new(State::Pending),
+            changed: Condvar::new(),
+            primary: primary.clone(),
+        }))
+    }
+
+    fn set(&self, state: State) {
+        let old = std::mem::replace(&mut *self.0.state.lock(), state);
+        self.0.changed.notify_all();
+        debug_assert!(!matches!(old, State::Enqueued { .. }));
+    }
+
+    fn finish(inner: &EventInner, state: &mut State, outcome: Result<()>) {
+        if let State::Enqueued { event, keep } = std::mem::replace(state, State::Done(outcome)) {
+            let _ = inner.primary.make_current();
+            // SAFETY: the event was created by a waiter and is destroyed once, here, after it
+            // completed (or failed).
+            let _ = unsafe { result::event::destroy(event) };
+            drop(keep);
+        }
+    }
+
+    fn poll(&self) -> Option<Result<()>> {
+        let mut state = self.0.state.lock();
+        let event = match &*state {
+            State::Pending => return None,
+            State::Done(outcome) => return Some(outcome.clone()),
+            State::Enqueued { event, .. } => *event,
+        };
+        if let Err(error) = self.0.primary.make_current() {
+            Self::finish(&self.0, &mut state, Err(error.clone()));
+            return Some(Err(error));
+        }
+        // SAFETY: `event` is alive: only `finish`, under this lock, destroys it.
+        let outcome = match unsafe { sys::cuEventQuery(event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY => return None,
+            error => Err(driver("cuEventQuery", error)),
+        };
+        Self::finish(&self.0, &mut state, outcome.clone());
+        Some(outcome)
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut state = self.0.state.lock();
+        loop {
+            match &*state {
+                State::Pending => self.0.changed.wait(&mut state),
+                State::Done(outcome) => return outcome.clone(),
+                State::Enqueued { event, .. } => {
+                    let event = *event;
+                    let outcome = self.0.primary.make_current().and_then(|()| {
+                        // SAFETY: `event` is alive while the lock is held.
+                        unsafe { result::event::synchronize(event) }
+                            .map_err(|e| driver("cuEventSynchronize", e))
+                    });
+                    Self::finish(&self.0, &mut state, outcome.clone());
+                    return outcome;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        // Only reached with a copy in flight at teardown, after the waiters synchronised their
+        // streams; destroy the event all the same.
+        let mut state = std::mem::replace(self.state.get_mut(), State::Pending);
+        if let State::Enqueued { event, .. } = &mut state
+            && self.primary.make_current().is_ok()
+        {
+            // SAFETY: last owner of the event.
+            let _ = unsafe { result::event::synchronize(*event) };
+            let _ = unsafe { result::event::destroy(*event) };
+        }
+    }
+}
+
+enum Job {
+    /// Finish every copy enqueued so far, then complete the event.
+    Barrier(CudaEvent),
+    Frontier {
+        stream: StreamId,
+        created_on: StreamId,
+        event: CudaEvent,
+    },
+    Download {
+        handle: Handle,
+        frontier: CudaEvent,
+        dst: Arc<dyn PinnedMemory>,
+        bytes: usize,
+        event: CudaEvent,
+    },
+}
+
+struct Waiter {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The per-device transfer machinery, created with the first publication.
+pub(crate) struct CudaTransfer {
+    primary: Arc<PrimaryContext>,
+    waiters: Mutex<HashMap<u64, Waiter>>,
+    client: super::CudaClient,
+}
+
+impl CudaTransfer {
+    fn new(ctx: &CudaContext) -> Result<Self> {
+        Ok(Self {
+            primary: PrimaryContext::retain(ctx.device.index)?,
+            waiters: Mutex::new(HashMap::new()),
+            client: ctx.client.clone(),
+        })
+    }
+
+    fn send(&self, stream: StreamId, job: Job) -> Result<()> {
+        let mut waiters = self.waiters.lock();
+        let waiter = match waiters.entry(stream.value) {
+            hashbrown::hash_map::Entry::Occupied(w) => w.into_mut(),
+            hashbrown::hash_map::Entry::Vacant(slot) => {
+                let (jobs, queue) = channel::<Job>();
+                let (primary, client) = (self.primary.clone(), self.client.clone());
+                let thread = std::thread::Builder::new()
+                    .name(format!("fusion-streams-cuda-transfer-{}", stream.value))
+                    .spawn(move || run_waiter(primary, client, queue))
+                    .map_err(|e| {
+                        Error::Runtime(format!("spawning a transfer waiter: {e}").into())
+                    })?;
+                slot.insert(Waiter {
+                    jobs: Some(jobs),
+                    thread: Some(thread),
+                })
+            }
+        };
+        waiter
+            .jobs
+            .as_ref()
+            .expect("a live waiter has its sender")
+            .send(job)
+            .map_err(|_| Error::Runtime("the transfer waiter is gone".into()))
+    }
+}
+
+fn run_waiter(
+    primary: Arc<PrimaryContext>,
+    client: super::CudaClient,
+    queue: std::sync::mpsc::Receiver<Job>,
+) {
+    let stream = primary.make_current().and_then(|()| {
+        result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("cuStreamCreate", e))
+    });
+    for job in queue {
+        match job {
+            Job::Barrier(event) => {
+                let outcome = match &stream {
+                    // SAFETY: the stream belongs to this thread.
+                    Ok(s) => unsafe { result::stream::synchronize(*s) }
+                        .map_err(|e| driver("cuStreamSynchronize", e)),
+                    Err(e) => Err(e.clone()),
+                };
+                event.set(State::Done(outcome));
+            }
+            Job::Frontier {
+                stream: captured,
+                created_on,
+                event,
+            } => {
+                let fence = |on: StreamId| {
+                    on.executes(|| cubecl::future::block_on(client.sync()))
+                        .map_err(|e| driver("fence", e))
+                };
+                let mut outcome = fence(captured);
+                if created_on != captured {
+                    outcome = outcome.and_then(|()| fence(created_on));
+                }
+                event.set(State::Done(outcome));
+            }
+            Job::Download {
+                handle,
+                frontier,
+                dst,
+                bytes,
+                event,
+            } => {
+                let enqueued = frontier.wait().and_then(|()| {
+                    let copy_stream = stream.as_ref().map_err(Clone::clone)?;
+                    let resource = handle
+                        .stream
+                        .executes(|| client.get_resource(handle.clone()))
+                        .map_err(|e| driver("get_resource", e))?;
+                    let source = resource.resource().ptr;
+                    primary.make_current()?;
+                    // SAFETY: `source` is a live device allocation of at least `bytes` bytes
+                    // (kept alive by `handle` and `resource`, held until the copy's event
+                    // completes); `dst` is host memory of `bytes` bytes owned by the download
+                    // until then; `copy_stream` belongs to this thread.
+                    unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, bytes, *copy_stream)
+                    }
+                    .result()
+                    .map_err(|e| driver("cuMemcpyDtoHAsync", e))?;
+                    let cuda_event =
+                        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                            .map_err(|e| driver("cuEventCreate", e))?;
+                    // SAFETY: both handles were just created on this thread's current context.
+                    unsafe { result::event::record(cuda_event, *copy_stream) }
+                        .map_err(|e| driver("cuEventRecord", e))?;
+                    Ok((cuda_event, resource))
+                });
+                match enqueued {
+                    Ok((cuda_event, resource)) => event.set(State::Enqueued {
+                        event: cuda_event,
+                        keep: Box::new((handle, resource, dst)),
+                    }),
+                    Err(error) => event.set(State::Done(Err(error))),
+                }
+            }
+        }
+    }
+    // Teardown: every copy this waiter enqueued completes before its stream goes.
+    if let Ok(copy_stream) = stream {
+        // SAFETY: the stream was created by this thread and is destroyed once.
+        unsafe {
+            let _ = result::stream::synchronize(copy_stream);
+            let _ = result::stream::destroy(copy_stream);
+        }
+    }
+}
+
+impl CudaTransfer {
+    /// Wait until every waiter has handled its jobs so far and finished its copies.
+    fn barrier(&self) -> Result<()> {
+        let streams: Vec<u64> = self.waiters.lock().keys().copied().collect();
+        for stream in streams {
+            let event = CudaEvent::pending(&self.primary);
+            self.send(StreamId { value: stream }, Job::Barrier(event.clone()))?;
+            event.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// Wait for the transfer waiters (if any) and release completed retirement records.
+    pub(crate) fn settle_transfers(&self) -> Result<()> {
+        if let Some(transfer) = self.transfer.get() {
+            transfer.barrier()?;
+        }
+        self.retirement.sweep();
+        Ok(())
+    }
+
+    fn transfer(&self) -> Result<&CudaTransfer> {
+        if let Some(t) = self.transfer.get() {
+            return Ok(t);
+        }
+        let t = CudaTransfer::new(self)?;
+        Ok(self.transfer.get_or_init(|| t))
+    }
+
+    /// The retirement queue of dropped transfers.
+    pub fn retirement(&self) -> &RetirementQueue<Retired<CudaRuntime>> {
+        &self.retirement
+    }
+}
+
+impl TransferRuntime for CudaRuntime {
+    type Event = CudaEvent;
+
+    fn publishable(dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::I32)
+    }
+
+    fn record_frontier(
+        ctx: &CudaContext,
+        stream: StreamId,
+        handle: &CudaHandle,
+    ) -> Result<CudaEvent> {
+        let transfer = ctx.transfer()?;
+        let event = CudaEvent::pending(&transfer.primary);
+        transfer.send(
+            stream,
+            Job::Frontier {
+                stream,
+                created_on: handle.handle.stream,
+                event: event.clone(),
+            },
+        )?;
+        Ok(event)
+    }
+
+    fn download(
+        ctx: &CudaContext,
+        stream: StreamId,
+        handle: &CudaHandle,
+        frontier: &CudaEvent,
+        buffer: &PinnedHostBuffer,
+        bytes: usize,
+    ) -> Result<CudaEvent> {
+        if bytes != buffer.len() {
+            return Err(Error::BufferSize {
+                expected: bytes,
+                found: buffer.len(),
+            });
+        }
+        let transfer = ctx.transfer()?;
+        let event = CudaEvent::pending(&transfer.primary);
+        transfer.send(
+            stream,
+            Job::Download {
+                handle: handle.handle.clone(),
+                frontier: frontier.clone(),
+                dst: buffer.memory.clone(),
+                bytes,
+                event: event.clone(),
+            },
+        )?;
+        Ok(event)
+    }
+
+    fn poll_event(event: &CudaEvent) -> Option<Result<()>> {
+        event.poll()
+    }
+
+    fn wait_event(event: &CudaEvent) -> Result<()> {
+        event.wait()
+    }
+
+    fn alloc_pinned(ctx: &CudaContext, len: usize) -> Result<PinnedHostBuffer> {
+        if len == 0 {
+            return Err(Error::InvalidData(
+                "a pinned buffer needs at least one byte".into(),
+            ));
+        }
+        let primary = &ctx.transfer()?.primary;
+        Ok(PinnedHostBuffer::from_memory(Arc::new(CudaPinned::new(
+            primary, len,
+        )?)))
+    }
+
+    fn retirement(ctx: &CudaContext) -> &RetirementQueue<Retired<Self>> {
+        &ctx.retirement
+    }
+}
+
+/// The context's slot for its transfer machinery, created with the first publication.
+pub(crate) type TransferSlot = OnceLock<CudaTransfer>;
