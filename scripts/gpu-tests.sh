@@ -9,6 +9,7 @@
 #   compute-sanitizer --tool synccheck ./gpu-bin/gpu --ignored --test-threads=1
 #   ./gpu-bin/quickstart                                              # the quickstart on CUDA
 #   ./gpu-bin/engine --bench cuda                                     # the CUDA engine benchmark
+#   ./gpu-bin/transfer --bench                                        # the transfer benchmark
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # cudarc picks its driver bindings at build time; without a toolkit here, pin CUDA 13.0 (the
@@ -22,10 +23,13 @@ test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
 cargo build --release --features cuda --example quickstart
 cargo bench --features cuda --bench engine --no-run 2>&1 | tee "$log"
 bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
+cargo bench --features cuda --bench transfer --no-run 2>&1 | tee "$log"
+transfer_bin=$(grep -o 'target/release/deps/transfer-[0-9a-f]*' "$log" | tail -n 1)
 
 cp "$test_bin" gpu-bin/gpu
 cp target/release/examples/quickstart gpu-bin/quickstart
 cp "$bench_bin" gpu-bin/engine
-strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/engine
+cp "$transfer_bin" gpu-bin/transfer
+strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/engine gpu-bin/transfer
 ls -la gpu-bin
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

@@ -47,6 +47,8 @@
 #![warn(missing_docs)]
 
 mod client;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod id;
 mod operation;

@@ -1,0 +1,358 @@
+//! Transfer paths on a GPU (feature `cuda`; run on the H200 with `./gpu-bin/transfer --bench`).
+//!
+//! * `transfer_paths`: 16 B, 64 KiB, 8 MiB and 256 MiB from one device buffer to the host:
+//!   `publish` + `download_into` a reused pinned buffer + `wait` (end to end), cubecl's own
+//!   `read_one`, a pageable `cuMemcpyDtoH`, and a raw `cuMemcpyDtoHAsync` + event into
+//!   `cuMemHostAlloc` memory (the practical limit), side by side in one run. Prints GB/s and
+//!   `ratio download_into_vs_raw_<size>` / `ratio download_into_vs_read_one_<size>`.
+//! * `transfer_overlap`: K rounds of produce → publish → download, pipelined (the next producer
+//!   runs while the previous copy does) against the same work done serially; the producer is
+//!   sized so that its compute time is about the copy time. Prints `ratio overlap_vs_serial`.
+//! * `publish` and `frontier_ready`: the cost of each call.
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("the transfer benchmark needs a GPU: cargo bench --features cuda --bench transfer");
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    gpu::main();
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::collections::BTreeMap;
+    use std::ffi::c_void;
+    use std::sync::{Mutex, OnceLock};
+    use std::time::{Duration, Instant};
+
+    use burn_backend::{DType, TensorData};
+    use criterion::{BenchmarkId, Criterion, Throughput};
+    use cudarc::driver::{result, sys};
+    use fusion_streams::FusionClient;
+    use fusion_streams::cuda::{CudaDevice, CudaHeldSession, CudaRuntime, PinnedHostBuffer};
+    use fusion_streams::transfer::TransferRuntime;
+
+    type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
+
+    fn samples() -> &'static Mutex<BTreeMap<String, Vec<f64>>> {
+        static S: OnceLock<Mutex<BTreeMap<String, Vec<f64>>>> = OnceLock::new();
+        S.get_or_init(Default::default)
+    }
+
+    fn record(name: &str, total: Duration, iters: u64) {
+        samples()
+            .lock()
+            .unwrap()
+            .entry(name.into())
+            .or_default()
+            .push(total.as_secs_f64() / iters.max(1) as f64);
+    }
+
+    fn median(name: &str) -> Option<f64> {
+        let s = samples().lock().unwrap();
+        let mut v = s.get(name)?.clone();
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+
+    fn publish(
+        session: &mut CudaHeldSession,
+        value: Tensor,
+    ) -> fusion_streams::cuda::SourcePublication {
+        // SAFETY: the value is produced on the session's stream by this crate's operations.
+        unsafe { session.publish(value) }.expect("admitted")
+    }
+
+    fn label(bytes: usize) -> String {
+        match bytes {
+            b if b >= 1 << 20 => format!("{}MiB", b >> 20),
+            b if b >= 1 << 10 => format!("{}KiB", b >> 10),
+            b => format!("{b}B"),
+        }
+    }
+
+    /// The primary context current on this thread, for the raw baselines.
+    fn raw_context() {
+        // SAFETY: standard driver initialisation; the primary context is retained for the
+        // process's lifetime (the benchmark's).
+        unsafe {
+            result::init().unwrap();
+            let dev = result::device::get(0).unwrap();
+            let ctx = result::primary_ctx::retain(dev).unwrap();
+            result::ctx::set_current(ctx).unwrap();
+        }
+    }
+
+    fn transfer_paths(c: &mut Criterion, client: &FusionClient<CudaRuntime>) {
+        raw_context();
+        let mut group = c.benchmark_group("transfer_paths");
+        for bytes in [16usize, 64 << 10, 8 << 20, 256 << 20] {
+            let n = bytes / 4;
+            let size = label(bytes);
+            eprintln!("transfer_paths {size}: preparing");
+            let value = client
+                .from_data(TensorData::new(
+                    (0..n).map(|i| (i % 977) as f32).collect::<Vec<_>>(),
+                    [n],
+                ))
+                .unwrap();
+            client.sync().unwrap();
+            let handle = value.handle().unwrap();
+            let cubecl = client.context().client();
+            let resource = handle
+                .cubecl()
+                .stream
+                .executes(|| cubecl.get_resource(handle.cubecl().clone()))
+                .unwrap();
+            let device_ptr = resource.resource().ptr;
+            group.throughput(Throughput::Bytes(bytes as u64));
+
+            // download_into, end to end, into one reused pinned buffer.
+            let mut session = CudaHeldSession::open(client).unwrap();
+            let mut buffer = Some(CudaRuntime::alloc_pinned(client.context(), bytes).unwrap());
+            let name = format!("download_into/{size}");
+            group.bench_function(BenchmarkId::new("download_into", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let p = publish(&mut session, value.clone());
+                        let pending = p.download_into(buffer.take().unwrap()).unwrap();
+                        buffer = Some(pending.wait().unwrap());
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+            let got = buffer.as_ref().unwrap().to_data([n], DType::F32).unwrap();
+            assert_eq!(got.to_vec::<f32>().unwrap()[n - 1], ((n - 1) % 977) as f32);
+            session.close();
+
+            // cubecl's own read.
+            let name = format!("read_one/{size}");
+            group.bench_function(BenchmarkId::new("read_one", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let bytes = cubecl.read_one(handle.cubecl().clone()).unwrap();
+                        std::hint::black_box(bytes);
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+
+            // A pageable, synchronous copy into a Vec.
+            let mut pageable = vec![0u8; bytes];
+            let name = format!("pageable/{size}");
+            group.bench_function(BenchmarkId::new("pageable", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        // SAFETY: `device_ptr` is live (held by `resource`), `pageable` has
+                        // `bytes` bytes.
+                        unsafe {
+                            sys::cuMemcpyDtoH_v2(
+                                pageable.as_mut_ptr() as *mut c_void,
+                                device_ptr,
+                                bytes,
+                            )
+                        }
+                        .result()
+                        .unwrap();
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+
+            // The raw baseline: async copy + event into page-locked memory, own stream.
+            let name = format!("raw/{size}");
+            // SAFETY: plain driver calls on handles created here and freed below.
+            let (stream, host, event) = unsafe {
+                let stream =
+                    result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
+                let mut host: *mut c_void = std::ptr::null_mut();
+                sys::cuMemHostAlloc(&mut host, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
+                    .result()
+                    .unwrap();
+                let event =
+                    result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+                (stream, host, event)
+            };
+            group.bench_function(BenchmarkId::new("raw", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        // SAFETY: as above; the copy completes before the next one starts.
+                        unsafe {
+                            sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
+                                .result()
+                                .unwrap();
+                            result::event::record(event, stream).unwrap();
+                            result::event::synchronize(event).unwrap();
+                        }
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+            // SAFETY: created above, no longer in use.
+            unsafe {
+                let _ = result::event::destroy(event);
+                let _ = sys::cuMemFreeHost(host);
+                let _ = result::stream::destroy(stream);
+            }
+            drop((resource, handle, value));
+        }
+        group.finish();
+    }
+
+    fn costs(c: &mut Criterion, client: &FusionClient<CudaRuntime>) {
+        let mut group = c.benchmark_group("costs");
+        let mut session = CudaHeldSession::open(client).unwrap();
+        let value = client.fill([1024], 1.0, DType::F32).unwrap();
+        client.sync().unwrap();
+        group.bench_function("publish", |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let v = value.clone();
+                    let start = Instant::now();
+                    let mut p = publish(&mut session, v);
+                    total += start.elapsed();
+                    p.await_frontier().unwrap();
+                }
+                record("publish", total, iters);
+                total
+            })
+        });
+        let mut p = publish(&mut session, value.clone());
+        p.await_frontier().unwrap();
+        group.bench_function("frontier_ready", |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    assert!(p.frontier_ready().unwrap());
+                }
+                let t = start.elapsed();
+                record("frontier_ready", t, iters);
+                t
+            })
+        });
+        group.finish();
+    }
+
+    /// K rounds of produce → publish → download. The producer is a matmul sized so its compute
+    /// time is of the order of the copy time of its output.
+    fn overlap(c: &mut Criterion, client: &FusionClient<CudaRuntime>) {
+        const K: usize = 8;
+        // [4096, 64] @ [64, 4096]: a 64 MiB output (about 1.2 ms to copy at ~55 GB/s) from
+        // ~2.1 GFLOP of naive matmul, the same order of time.
+        let (m, k) = (4096, 64);
+        let n = m;
+        let a = client
+            .from_data(TensorData::new(
+                (0..m * k).map(|i| (i % 5) as f32).collect::<Vec<_>>(),
+                [m, k],
+            ))
+            .unwrap();
+        let b = client
+            .from_data(TensorData::new(
+                (0..k * m).map(|i| (i % 3) as f32).collect::<Vec<_>>(),
+                [k, m],
+            ))
+            .unwrap();
+        let mut session = CudaHeldSession::open(client).unwrap();
+        let mut buffers: Vec<PinnedHostBuffer> = (0..K)
+            .map(|_| CudaRuntime::alloc_pinned(client.context(), n * n * 4).unwrap())
+            .collect();
+        let mut group = c.benchmark_group("transfer_overlap");
+        group.sample_size(10);
+        for pipelined in [false, true] {
+            let kind = if pipelined { "pipelined" } else { "serial" };
+            group.bench_function(kind, |bench| {
+                bench.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let mut pending = Vec::new();
+                        for round in 0..K {
+                            let produced = a.matmul(&b).unwrap().scale(round as f64).unwrap();
+                            let p = publish(&mut session, produced);
+                            let download = p.download_into(buffers.pop().unwrap()).unwrap();
+                            if pipelined {
+                                pending.push(download);
+                            } else {
+                                buffers.insert(0, download.wait().unwrap());
+                            }
+                        }
+                        for d in pending {
+                            buffers.insert(0, d.wait().unwrap());
+                        }
+                    }
+                    let t = start.elapsed();
+                    record(&format!("overlap/{kind}"), t, iters);
+                    t
+                })
+            });
+        }
+        group.finish();
+    }
+
+    pub fn main() {
+        if !CudaRuntime::is_available() {
+            eprintln!("no CUDA device: nothing to measure");
+            return;
+        }
+        let started = Instant::now();
+        let mut c = Criterion::default()
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(300))
+            .measurement_time(Duration::from_secs(2))
+            .configure_from_args();
+        let client = FusionClient::<CudaRuntime>::new(CudaDevice::new(0)).unwrap();
+        transfer_paths(&mut c, &client);
+        costs(&mut c, &client);
+        overlap(&mut c, &client);
+        c.final_summary();
+
+        println!("\n== transfer benchmark: medians ==");
+        for bytes in [16usize, 64 << 10, 8 << 20, 256 << 20] {
+            let size = label(bytes);
+            let gbs =
+                |path: &str| median(&format!("{path}/{size}")).map(|s| bytes as f64 / s / 1e9);
+            let line: Vec<String> = ["download_into", "read_one", "pageable", "raw"]
+                .iter()
+                .map(|p| format!("{p} {:.3} GB/s", gbs(p).unwrap_or(f64::NAN)))
+                .collect();
+            println!("  {size:>6}: {}", line.join("   "));
+            if let (Some(ours), Some(raw), Some(read)) =
+                (gbs("download_into"), gbs("raw"), gbs("read_one"))
+            {
+                println!("ratio download_into_vs_raw_{size}: {:.3}", ours / raw);
+                println!("ratio download_into_vs_read_one_{size}: {:.3}", ours / read);
+            }
+        }
+        if let (Some(p), Some(f)) = (median("publish"), median("frontier_ready")) {
+            println!(
+                "publish: {:.2} us   frontier_ready: {:.3} us",
+                p * 1e6,
+                f * 1e6
+            );
+        }
+        if let (Some(s), Some(p)) = (median("overlap/serial"), median("overlap/pipelined")) {
+            println!(
+                "overlap: serial {:.1} ms, pipelined {:.1} ms",
+                s * 1e3,
+                p * 1e3
+            );
+            println!("ratio overlap_vs_serial: {:.2}", s / p);
+        }
+        eprintln!("transfer benchmark finished in {:.1?}", started.elapsed());
+    }
+}
