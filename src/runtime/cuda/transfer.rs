@@ -6,16 +6,17 @@
 //! frontiers cannot be multiplexed on one thread. Each captured stream therefore gets a *waiter*
 //! thread, which handles that stream's transfer jobs in order:
 //!
-//! 1. **Frontier.** `publish` only enqueues a job (no server round trip on the caller's thread).
-//!    The waiter records cubecl's fence on the captured stream (and on the stream that created the
-//!    value's buffer, if different) and waits for it. The frontier thus covers everything
-//!    dispatched before `publish`, possibly a little more (work the session dispatched meanwhile),
-//!    which delays readiness but never reports it early. `frontier_ready` reads a state and never
-//!    waits.
-//! 2. **Download.** Behind the frontier (same waiter, same order), the waiter resolves the device
-//!    pointer (`get_resource`), enqueues `cuMemcpyDtoHAsync` from it into the caller's buffer on
-//!    its own non-blocking stream, and records a CUDA event. `is_ready` is a `cuEventQuery`; an
-//!    error is reported as an error, never as "not ready". The cubecl `Handle` clone and the
+//! 1. **Frontier.** `publish` submits one closure to cubecl's device handle, without waiting for
+//!    it (`submit` + `flush_queue`, a few µs). It runs on cubecl's server in order after this
+//!    thread's earlier launches: it resolves the value's device address (`get_resource`, kept as
+//!    the publication's resolved address) and records cubecl's fence on the captured stream (and
+//!    on the stream that created the buffer, if different). The waiter awaits those fences. The
+//!    frontier is exactly the work dispatched before `publish`: later work on the session's stream
+//!    does not delay it. `frontier_ready` reads a state and never waits.
+//! 2. **Download.** Behind the frontier (same waiter, same order), the waiter enqueues
+//!    `cuMemcpyDtoHAsync` from the resolved address into the caller's buffer on its own
+//!    non-blocking stream, and records a CUDA event. `is_ready` is a `cuEventQuery`; an error is
+//!    reported as an error, never as "not ready". The cubecl `Handle` clone and the
 //!    `ManagedResource` are held until that event has completed, so the allocation cannot be
 //!    reused under the copy.
 //!
@@ -166,6 +167,9 @@ struct EventInner {
     state: Mutex<State>,
     changed: Condvar,
     primary: Arc<PrimaryContext>,
+    /// For a frontier: the published value's resolved device address, and the cubecl
+    /// `ManagedResource` that keeps it valid.
+    resolved: Mutex<Option<(u64, Arc<dyn Any + Send + Sync>)>>,
 }
 
 // SAFETY: the raw `CUevent` in `State` is only used under the mutex, with the primary context
@@ -196,6 +200,7 @@ impl CudaEvent {
             state: Mutex::new(State::Pending),
             changed: Condvar::new(),
             primary: primary.clone(),
+            resolved: Mutex::new(None),
         }))
     }
 
@@ -272,12 +277,15 @@ impl Drop for EventInner {
     }
 }
 
+type Fence = cubecl::future::DynFut<std::result::Result<(), cubecl::server::ServerError>>;
+type Resolved = std::result::Result<(u64, Arc<dyn Any + Send + Sync>), Error>;
+
 enum Job {
     /// Finish every copy enqueued so far, then complete the event.
     Barrier(CudaEvent),
+    /// The parts cubecl's server produced at publish time: the resolved address and the fences.
     Frontier {
-        stream: StreamId,
-        created_on: StreamId,
+        parts: std::sync::mpsc::Receiver<(Resolved, Vec<Fence>)>,
         event: CudaEvent,
     },
     Download {
@@ -304,18 +312,22 @@ impl Drop for Waiter {
 }
 
 /// The per-device transfer machinery, created with the first publication.
+type Server = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::Server;
+
 pub(crate) struct CudaTransfer {
     primary: Arc<PrimaryContext>,
     waiters: Mutex<HashMap<u64, Waiter>>,
-    client: super::CudaClient,
+    /// cubecl's device service, for non-blocking submissions to its server.
+    device: cubecl::device_handle::DeviceHandle<Server>,
 }
 
 impl CudaTransfer {
     fn new(ctx: &CudaContext) -> Result<Self> {
+        use cubecl::device::Device as _;
         Ok(Self {
             primary: PrimaryContext::retain(ctx.device.index)?,
             waiters: Mutex::new(HashMap::new()),
-            client: ctx.client.clone(),
+            device: cubecl::device_handle::DeviceHandle::new(ctx.device.to_id()),
         })
     }
 
@@ -325,10 +337,10 @@ impl CudaTransfer {
             hashbrown::hash_map::Entry::Occupied(w) => w.into_mut(),
             hashbrown::hash_map::Entry::Vacant(slot) => {
                 let (jobs, queue) = channel::<Job>();
-                let (primary, client) = (self.primary.clone(), self.client.clone());
+                let primary = self.primary.clone();
                 let thread = std::thread::Builder::new()
                     .name(format!("fusion-streams-cuda-transfer-{}", stream.value))
-                    .spawn(move || run_waiter(primary, client, queue))
+                    .spawn(move || run_waiter(primary, queue))
                     .map_err(|e| {
                         Error::Runtime(format!("spawning a transfer waiter: {e}").into())
                     })?;
@@ -347,11 +359,7 @@ impl CudaTransfer {
     }
 }
 
-fn run_waiter(
-    primary: Arc<PrimaryContext>,
-    client: super::CudaClient,
-    queue: std::sync::mpsc::Receiver<Job>,
-) {
+fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job>) {
     let stream = primary.make_current().and_then(|()| {
         result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| driver("cuStreamCreate", e))
@@ -367,19 +375,25 @@ fn run_waiter(
                 };
                 event.set(State::Done(outcome));
             }
-            Job::Frontier {
-                stream: captured,
-                created_on,
-                event,
-            } => {
-                let fence = |on: StreamId| {
-                    on.executes(|| cubecl::future::block_on(client.sync()))
-                        .map_err(|e| driver("fence", e))
+            Job::Frontier { parts, event } => {
+                let outcome = match parts.recv() {
+                    Ok((resolved, fences)) => {
+                        // Every fence is polled to completion (an unpolled one leaks its event).
+                        let mut outcome = Ok(());
+                        for fence in fences {
+                            let waited =
+                                cubecl::future::block_on(fence).map_err(|e| driver("fence", e));
+                            outcome = outcome.and(waited);
+                        }
+                        outcome.and_then(|()| {
+                            *event.0.resolved.lock() = Some(resolved?);
+                            Ok(())
+                        })
+                    }
+                    Err(_) => Err(Error::Runtime(
+                        "cubecl's server dropped the frontier request".into(),
+                    )),
                 };
-                let mut outcome = fence(captured);
-                if created_on != captured {
-                    outcome = outcome.and_then(|()| fence(created_on));
-                }
                 event.set(State::Done(outcome));
             }
             Job::Download {
@@ -391,11 +405,12 @@ fn run_waiter(
             } => {
                 let enqueued = frontier.wait().and_then(|()| {
                     let copy_stream = stream.as_ref().map_err(Clone::clone)?;
-                    let resource = handle
-                        .stream
-                        .executes(|| client.get_resource(handle.clone()))
-                        .map_err(|e| driver("get_resource", e))?;
-                    let source = resource.resource().ptr;
+                    let (source, resource) = frontier
+                        .0
+                        .resolved
+                        .lock()
+                        .clone()
+                        .ok_or_else(|| Error::Runtime("frontier without an address".into()))?;
                     primary.make_current()?;
                     // SAFETY: `source` is a live device allocation of at least `bytes` bytes
                     // (kept alive by `handle` and `resource`, held until the copy's event
@@ -485,11 +500,34 @@ impl TransferRuntime for CudaRuntime {
     ) -> Result<CudaEvent> {
         let transfer = ctx.transfer()?;
         let event = CudaEvent::pending(&transfer.primary);
+        let (parts_tx, parts) = channel();
+        let created_on = handle.handle.stream;
+        let binding = handle.handle.clone().binding();
+        // Runs on cubecl's server, in order after this thread's earlier submissions; does not
+        // block the caller.
+        transfer.device.submit(move |server: &mut Server| {
+            use cubecl::server::ComputeServer;
+            let resolved: Resolved = server
+                .get_resource(binding, created_on)
+                .map(|resource| {
+                    let ptr = resource.resource().ptr;
+                    (
+                        ptr,
+                        Arc::new(Mutex::new(resource)) as Arc<dyn Any + Send + Sync>,
+                    )
+                })
+                .map_err(|e| driver("get_resource", e));
+            let mut fences = vec![server.sync(stream)];
+            if created_on != stream {
+                fences.push(server.sync(created_on));
+            }
+            let _ = parts_tx.send((resolved, fences));
+        });
+        transfer.device.flush_queue();
         transfer.send(
             stream,
             Job::Frontier {
-                stream,
-                created_on: handle.handle.stream,
+                parts,
                 event: event.clone(),
             },
         )?;
