@@ -16,12 +16,26 @@ use fusion_streams::{FusionClient, Result};
 
 const N: usize = 256;
 
+/// The CUDA runtime when built with `--features cuda` and a GPU answers; the host runtime
+/// otherwise.
 fn main() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use fusion_streams::cuda::{CudaDevice, CudaRuntime};
+        if CudaRuntime::is_available() {
+            return run(FusionClient::<CudaRuntime>::new(CudaDevice::new(0))?);
+        }
+        println!("(built with `cuda`, but no CUDA device answered: using the host runtime)");
+    }
+    run(FusionClient::<HostRuntime>::new(HostDevice::default())?)
+}
+
+fn run<R: TransferRuntime>(client: FusionClient<R>) -> Result<()> {
     let started = Instant::now();
-    let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+    println!("publish_download on the {} runtime", R::name());
     let bytes = N * N * DType::F32.size();
     // Pinned memory is expensive to allocate (on CUDA): allocate once, reuse.
-    let mut buffer = HostRuntime::alloc_pinned(client.context(), bytes)?;
+    let mut buffer = R::alloc_pinned(client.context(), bytes)?;
     println!("allocated a {bytes}-byte pinned buffer");
 
     for round in 1..=2 {
@@ -66,7 +80,7 @@ fn main() -> Result<()> {
         );
     }
 
-    let retirement = client.context().retirement().stats();
+    let retirement = R::retirement(client.context()).stats();
     println!(
         "retirement queue: pending {}, permanent {}, released {}",
         retirement.pending, retirement.permanent, retirement.released

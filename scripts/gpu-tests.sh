@@ -8,6 +8,7 @@
 #   compute-sanitizer --tool memcheck ./gpu-bin/gpu --ignored --test-threads=1
 #   compute-sanitizer --tool synccheck ./gpu-bin/gpu --ignored --test-threads=1
 #   ./gpu-bin/quickstart                                              # the quickstart on CUDA
+#   ./gpu-bin/publish_download                                        # publication on CUDA
 #   ./gpu-bin/engine --bench cuda                                     # the CUDA engine benchmark
 #   ./gpu-bin/transfer --bench                                        # the transfer benchmark
 set -euo pipefail
@@ -20,7 +21,7 @@ mkdir -p gpu-bin
 log=$(mktemp)
 cargo test --release --features cuda --test gpu --no-run 2>&1 | tee "$log"
 test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
-cargo build --release --features cuda --example quickstart
+cargo build --release --features cuda --example quickstart --example publish_download
 cargo bench --features cuda --bench engine --no-run 2>&1 | tee "$log"
 bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
 cargo bench --features cuda --bench transfer --no-run 2>&1 | tee "$log"
@@ -28,8 +29,9 @@ transfer_bin=$(grep -o 'target/release/deps/transfer-[0-9a-f]*' "$log" | tail -n
 
 cp "$test_bin" gpu-bin/gpu
 cp target/release/examples/quickstart gpu-bin/quickstart
+cp target/release/examples/publish_download gpu-bin/publish_download
 cp "$bench_bin" gpu-bin/engine
 cp "$transfer_bin" gpu-bin/transfer
-strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/engine gpu-bin/transfer
+strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/publish_download gpu-bin/engine gpu-bin/transfer
 ls -la gpu-bin
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

@@ -352,6 +352,75 @@ mod transfer {
         }
     }
 
+    /// Beyond the seed, on the GPU: a kernel that fails on the device after `publish` makes
+    /// `await_frontier` fail; the publication is terminal, `frontier_ready` reports the error, a
+    /// further await refuses, `download_into` refuses with both owners back, and the dropped
+    /// record goes to permanent retention. The fault leaves cubecl's server unhealthy, so the
+    /// scenario runs in a child process (this test binary, re-executed).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_device_failure_after_publish_makes_the_publication_terminal() {
+        const NAME: &str =
+            "transfer::cuda_device_failure_after_publish_makes_the_publication_terminal";
+        if std::env::var_os("FUSION_STREAMS_GPU_CHILD").is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    NAME,
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("FUSION_STREAMS_GPU_CHILD", "1")
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            println!(
+                "child: {}",
+                stdout
+                    .lines()
+                    .filter(|l| l.contains("terminal"))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+            assert!(
+                out.status.success(),
+                "child failed:\n{stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(stdout.contains("terminal path observed"));
+            return;
+        }
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let x = f32s(&c, &[1.0, 2.0]);
+        let faulty = c.fail_on_device(&x).unwrap(); // dispatch succeeds; the device side fails
+        let mut p = publish(&mut session, faulty);
+        let error = match p.await_frontier() {
+            Err(PublicationAdmissionError::Unproven { error }) => error,
+            other => panic!("expected a failed frontier, got {other:?}"),
+        };
+        assert!(p.is_terminal());
+        assert_eq!(p.frontier_ready().unwrap_err(), error);
+        assert!(matches!(
+            p.await_frontier(),
+            Err(PublicationAdmissionError::Unproven { .. })
+        ));
+        let mut buffer = pinned(c.context(), 8);
+        buffer.as_bytes_mut().fill(0xAB);
+        let (p, buffer, reason) = p.download_into(buffer).unwrap_err().into_parts();
+        assert_eq!(reason, error);
+        assert!(p.is_terminal());
+        assert!(
+            buffer.as_bytes().iter().all(|b| *b == 0xAB),
+            "buffer untouched"
+        );
+        drop(p);
+        let s = c.context().retirement().stats();
+        assert_eq!((s.permanent, s.pending), (1, 0));
+        println!("terminal path observed: {error}");
+    }
+
     /// A value produced on another stream (thread) is published from this session through a
     /// view; the frontier also covers the stream that produced it.
     #[test]

@@ -106,6 +106,17 @@ pub(crate) fn matmul_kernel(
     }
 }
 
+/// Fault injection (`Kernel::FailOnDevice`): NVRTC refuses to compile this kernel — its name
+/// collides with CUDA's `exp` under C linkage — so it fails on cubecl's server *after* the
+/// engine's dispatch returned, the way a device failure does. cubecl's server stays unhealthy for
+/// the rest of the process: use it in a process of its own.
+#[cube(launch)]
+pub(crate) fn exp(input: &Array<f32>, out: &mut Array<f32>) {
+    if ABSOLUTE_POS < out.len() {
+        out[ABSOLUTE_POS] = input[ABSOLUTE_POS];
+    }
+}
+
 #[cube(launch)]
 pub(crate) fn fill_kernel<N: Numeric>(out: &mut Array<N>, value: f32) {
     if ABSOLUTE_POS < out.len() {

@@ -13,7 +13,9 @@
 //! * **Kernels** are the built-in op set in CubeCL, with the host runtime's
 //!   summation order so that results agree bit for bit where the inputs are exact.
 //! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
-//!   [`crate::Error::KernelFailed`] from the read.
+//!   [`crate::Error::KernelFailed`] from the read. `FusionClient::fail_on_device` launches a kernel
+//!   NVRTC refuses to compile, a failure on cubecl's server after dispatch; it leaves that server
+//!   unhealthy for the process, so use it in a process of its own.
 
 mod kernels;
 mod transfer;
@@ -239,9 +241,9 @@ impl StreamRuntime for CudaRuntime {
                 matches!(dtype, DType::F32 | DType::I32)
             }
             Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype == DType::F32,
-            // Device faults poison a CUDA context for every stream; fault injection is a host
-            // runtime facility.
-            Kernel::FailOnDevice => false,
+            // A kernel that fails on cubecl's server after dispatch (see `kernels::exp`). It
+            // leaves cubecl's server unhealthy for the process.
+            Kernel::FailOnDevice => dtype == DType::F32,
         }
     }
 
@@ -431,10 +433,15 @@ impl StreamRuntime for CudaRuntime {
                 target
             }
             Kernel::FailOnDevice => {
-                return Err(Error::UnsupportedDType {
-                    op: kernel.name(),
-                    dtype: out.dtype,
-                });
+                let target = empty(client, bytes);
+                kernels::exp::launch::<CubeCuda>(
+                    client,
+                    cubes(n),
+                    dim(),
+                    array(handle(0), len(0)),
+                    array(&target, n),
+                );
+                target
             }
         };
         Ok(CudaHandle { handle: target })
