@@ -171,6 +171,19 @@ impl Error {
     }
 }
 
+impl Error {
+    /// A panic inside a kernel or a device call: the device failed, not an operation's executor.
+    pub(crate) fn from_kernel_panic(kernel: &str, payload: Box<dyn std::any::Any + Send>) -> Self {
+        match Error::from_panic(kernel, payload) {
+            Error::OperationPanicked { message, .. } => Error::KernelFailed {
+                kernel: kernel.into(),
+                message,
+            },
+            other => other,
+        }
+    }
+}
+
 /// A rejected call that took tensors by value: the error and every tensor handed back untouched.
 ///
 /// Returned by the calls that consume their operands (see [`crate::OpBuilder::consume`]), so that

@@ -254,7 +254,7 @@ fn thread_exit_drains_pending_work_and_deferred_frees() {
 /// A stream executes what it has once its queue reaches the configured bound.
 #[test]
 fn queue_executes_at_its_bound() {
-    let c = FusionClient::with_config(
+    let c: Client = FusionClient::with_config(
         fusion_streams::host::HostDevice::default(),
         EngineConfig::default().with_max_queue_len(4),
     )

@@ -199,6 +199,7 @@ mod transfer {
     };
 
     use super::{client, ints, matmul_at};
+    use crate::common::buffer_f32s;
     use crate::suite::{f32s, matrix, values};
 
     type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
@@ -223,15 +224,6 @@ mod transfer {
         p.download_into(buffer).expect("enqueued")
     }
 
-    fn floats(buffer: &PinnedHostBuffer) -> Vec<f32> {
-        let n = buffer.len() / 4;
-        buffer
-            .to_data([n], burn_backend::DType::F32)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap()
-    }
-
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn cuda_publication_survives_session_close() {
@@ -243,7 +235,7 @@ mod transfer {
         // No session open on the stream now; the download takes none.
         HeldSession::open(&c).unwrap().close();
         let buffer = download(p, pinned(c.context(), 12)).wait().unwrap();
-        assert_eq!(floats(&buffer), vec![4.5, -6.0, 9.75]);
+        assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
     }
 
     #[test]
@@ -266,7 +258,7 @@ mod transfer {
         assert!(!ready_now, "frontier ready right after a ~0.3 s producer");
         p.await_frontier().unwrap();
         assert!(p.frontier_ready().unwrap());
-        let got = floats(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
+        let got = buffer_f32s(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
         for (i, j) in [(0, 0), (9, 2047), (2047, 2047)] {
             assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
         }
@@ -288,7 +280,7 @@ mod transfer {
             "the publication pins the runtime"
         );
         let buffer = download(p, buffer).wait().unwrap();
-        assert_eq!(floats(&buffer), vec![-7.0, -8.0, -9.0]);
+        assert_eq!(buffer_f32s(&buffer), vec![-7.0, -8.0, -9.0]);
         assert!(runtime.upgrade().is_none(), "torn down with its last owner");
     }
 
@@ -342,13 +334,13 @@ mod transfer {
         ));
         assert_eq!(wrong.len(), 12);
         let mut buffer = download(p, pinned(c.context(), 8)).wait().unwrap();
-        assert_eq!(floats(&buffer), vec![1.0, 2.0]);
+        assert_eq!(buffer_f32s(&buffer), vec![1.0, 2.0]);
         let address = buffer.as_bytes().as_ptr();
         for round in 1..4 {
             let p = publish(&mut session, f32s(&c, &[round as f32, -(round as f32)]));
             buffer = download(p, buffer).wait().unwrap();
             assert_eq!(buffer.as_bytes().as_ptr(), address);
-            assert_eq!(floats(&buffer), vec![round as f32, -(round as f32)]);
+            assert_eq!(buffer_f32s(&buffer), vec![round as f32, -(round as f32)]);
         }
     }
 
@@ -440,7 +432,7 @@ mod transfer {
             p
         });
         let p = publish(&mut session, product);
-        let got = floats(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
+        let got = buffer_f32s(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
         for (i, j) in [(0, 0), (100, 2000), (2047, 1)] {
             assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
         }

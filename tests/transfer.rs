@@ -28,15 +28,6 @@ fn download(publication: Publication, len: usize) -> PendingDownload<HostRuntime
         .expect("enqueued")
 }
 
-fn f32s_of(buffer: &PinnedHostBuffer) -> Vec<f32> {
-    let n = buffer.len() / 4;
-    buffer
-        .to_data([n], DType::F32)
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap()
-}
-
 fn retirement(context: &HostContext) -> fusion_streams::transfer::RetirementStats {
     context.retirement().stats()
 }
@@ -52,7 +43,7 @@ fn publication_survives_session_close() {
     let publication = publish(&mut session, value);
     session.close();
     let buffer = download(publication, 12).wait().unwrap();
-    assert_eq!(f32s_of(&buffer), vec![4.5, -6.0, 9.75]);
+    assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
 }
 
 /// §4 "Producer frontier": publish right after a deliberately large producer — the frontier is
@@ -74,7 +65,7 @@ fn frontier_is_not_ready_right_after_a_large_producer() {
     );
     publication.await_frontier().unwrap();
     assert!(publication.frontier_ready().unwrap());
-    let got = f32s_of(&download(publication, n * n * 4).wait().unwrap());
+    let got = buffer_f32s(&download(publication, n * n * 4).wait().unwrap());
     for (i, j) in [(0, 0), (17, 301), (n - 1, n - 1)] {
         let want: f32 = (0..n).map(|k| a[i * n + k] * b[k * n + j]).sum();
         assert_eq!(got[i * n + j], want, "element ({i}, {j})");
@@ -94,7 +85,7 @@ fn frontier_stays_pending_while_the_stream_is_held() {
     }
     drop(pause);
     publication.await_frontier().unwrap();
-    let got = f32s_of(&download(publication, 8).wait().unwrap());
+    let got = buffer_f32s(&download(publication, 8).wait().unwrap());
     assert_eq!(got, vec![1f32.exp(), 2f32.exp()]);
 }
 
@@ -117,7 +108,7 @@ fn publication_retains_allocation_and_runtime_without_any_source_handle() {
 
     let pending = download(publication, 12);
     let buffer = pending.wait().unwrap();
-    assert_eq!(f32s_of(&buffer), vec![-7.0, -8.0, -9.0]);
+    assert_eq!(buffer_f32s(&buffer), vec![-7.0, -8.0, -9.0]);
     assert!(
         runtime.upgrade().is_none(),
         "the last owner of the runtime was the download"
@@ -242,7 +233,7 @@ fn download_needs_no_session() {
     // No session is open on this stream any more: opening one succeeds.
     HeldSession::open(&c).unwrap().close();
     let buffer = download(publication, 8).wait().unwrap();
-    assert_eq!(f32s_of(&buffer), vec![2.5, 3.0]);
+    assert_eq!(buffer_f32s(&buffer), vec![2.5, 3.0]);
 }
 
 /// Beyond the seed: a kernel that fails *on the device* after `publish` makes `await_frontier`
@@ -315,7 +306,7 @@ fn a_wrong_length_buffer_is_refused_with_both_owners_back() {
         }
     );
     assert_eq!(buffer.len(), 16);
-    let got = f32s_of(&download(publication, 12).wait().unwrap());
+    let got = buffer_f32s(&download(publication, 12).wait().unwrap());
     assert_eq!(got, vec![1.0, 2.0, 3.0]);
 }
 
@@ -347,7 +338,7 @@ fn two_publications_and_three_downloads_complete_independently() {
 
     // Stream C is free: its download completes while A and B are held.
     let c_buffer = downloads.pop().unwrap().wait().unwrap();
-    assert_eq!(f32s_of(&c_buffer), vec![60.0, 63.0]);
+    assert_eq!(buffer_f32s(&c_buffer), vec![60.0, 63.0]);
     for d in &downloads {
         assert!(!d.is_ready().unwrap());
     }
@@ -359,16 +350,16 @@ fn two_publications_and_three_downloads_complete_independently() {
     drop(pause_b);
     kept[1].await_frontier().unwrap();
     let b_buffer = downloads.pop().unwrap().wait().unwrap();
-    assert_eq!(f32s_of(&b_buffer), vec![30.0, 33.0]);
+    assert_eq!(buffer_f32s(&b_buffer), vec![30.0, 33.0]);
     assert!(!downloads[0].is_ready().unwrap());
     assert!(!kept[0].frontier_ready().unwrap());
 
     drop(pause_a);
     let a_buffer = downloads.pop().unwrap().wait().unwrap();
-    assert_eq!(f32s_of(&a_buffer), vec![0.0, 3.0]);
+    assert_eq!(buffer_f32s(&a_buffer), vec![0.0, 3.0]);
     let expected = [vec![0.0, 2.0], vec![20.0, 22.0]];
     for (p, want) in kept.into_iter().zip(expected) {
-        assert_eq!(f32s_of(&download(p, 8).wait().unwrap()), want);
+        assert_eq!(buffer_f32s(&download(p, 8).wait().unwrap()), want);
     }
 }
 
@@ -409,7 +400,7 @@ fn a_pinned_buffer_is_reused_across_downloads() {
         buffer = publication.download_into(buffer).unwrap().wait().unwrap();
         assert_eq!(buffer.as_bytes().as_ptr(), address, "the same memory");
         assert_eq!(
-            f32s_of(&buffer),
+            buffer_f32s(&buffer),
             vec![10.0 * round as f32, -10.0 * round as f32]
         );
     }
@@ -434,7 +425,7 @@ fn a_value_from_another_stream_is_published_through_a_view() {
         "the producer was materialised first"
     );
     assert_eq!(
-        f32s_of(&download(publication, 8).wait().unwrap()),
+        buffer_f32s(&download(publication, 8).wait().unwrap()),
         vec![0.5, 1.0]
     );
     peer.join();

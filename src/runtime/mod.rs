@@ -70,6 +70,22 @@ pub struct KernelInput<'a, H> {
     pub ir: &'a TensorIr,
 }
 
+/// Whether a kernel may write its output over its first input's buffer: that input was handed
+/// over as the last reference to its id (`ReadWrite`), has the output's dtype and shape, and its
+/// buffer has no other owner ([`StreamRuntime::can_mut`] — false while a view aliases it, or an
+/// in-flight kernel still reads it). The one in-place rule every runtime applies.
+pub fn first_input_reusable<R: StreamRuntime>(
+    inputs: &KernelInputs<'_, R::FusionHandle>,
+    out: &TensorIr,
+) -> bool {
+    inputs.first().is_some_and(|first| {
+        first.ir.status == burn_ir::TensorStatus::ReadWrite
+            && first.ir.dtype == out.dtype
+            && first.ir.shape == out.shape
+            && R::can_mut(&first.handle)
+    })
+}
+
 /// The inputs of one kernel launch (inline up to two: no allocation per launch).
 pub type KernelInputs<'a, H> = smallvec::SmallVec<[KernelInput<'a, H>; 2]>;
 

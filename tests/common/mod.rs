@@ -6,6 +6,8 @@ use std::thread::JoinHandle;
 
 use burn_backend::TensorData;
 use fusion_streams::host::{HostDevice, HostRuntime, HostStats};
+use fusion_streams::runtime::StreamRuntime;
+use fusion_streams::transfer::PinnedHostBuffer;
 use fusion_streams::{EngineConfig, FusionClient, FusionTensor};
 
 pub type Client = FusionClient<HostRuntime>;
@@ -21,14 +23,26 @@ pub fn client() -> Client {
     .expect("host device")
 }
 
-pub fn f32s(client: &Client, values: &[f32]) -> Tensor {
+/// A 1-d f32 tensor on any runtime.
+pub fn f32s<R: StreamRuntime>(client: &FusionClient<R>, values: &[f32]) -> FusionTensor<R> {
     client
         .from_data(TensorData::new(values.to_vec(), [values.len()]))
         .expect("upload")
 }
 
-pub fn values(tensor: &Tensor) -> Vec<f32> {
+/// A tensor's values, read to the host.
+pub fn values<R: StreamRuntime>(tensor: &FusionTensor<R>) -> Vec<f32> {
     tensor.to_vec::<f32>().expect("read")
+}
+
+/// A pinned buffer's bytes as f32s.
+pub fn buffer_f32s(buffer: &PinnedHostBuffer) -> Vec<f32> {
+    let n = buffer.len() / 4;
+    buffer
+        .to_data([n], burn_backend::DType::F32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
 }
 
 pub fn host(client: &Client) -> HostStats {

@@ -10,12 +10,7 @@ use burn_ir::{CustomOpIr, HandleContainer};
 use fusion_streams::runtime::{Kernel, StreamRuntime};
 use fusion_streams::{Error, FusionClient, FusionTensor, Operand};
 
-use crate::common::Peer;
-
-pub fn f32s<R: StreamRuntime>(c: &FusionClient<R>, values: &[f32]) -> FusionTensor<R> {
-    c.from_data(TensorData::new(values.to_vec(), [values.len()]))
-        .unwrap()
-}
+pub use crate::common::{Peer, f32s, values};
 
 pub fn matrix<R: StreamRuntime>(
     c: &FusionClient<R>,
@@ -24,10 +19,6 @@ pub fn matrix<R: StreamRuntime>(
     cols: usize,
 ) -> FusionTensor<R> {
     c.from_data(TensorData::new(values, [rows, cols])).unwrap()
-}
-
-pub fn values<R: StreamRuntime>(t: &FusionTensor<R>) -> Vec<f32> {
-    t.to_vec::<f32>().unwrap()
 }
 
 /// Run every stream's pending work and wait for the current stream's device work.

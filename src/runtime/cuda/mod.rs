@@ -29,7 +29,7 @@ use std::fmt;
 
 use burn_backend::{DType, Shape, TensorData};
 use burn_fusion::{FusionRuntime, OperationFuser};
-use burn_ir::{TensorIr, TensorStatus};
+use burn_ir::TensorIr;
 use cubecl::Runtime;
 pub use cubecl::cuda::CudaDevice;
 use cubecl::cuda::CudaRuntime as CubeCuda;
@@ -137,12 +137,8 @@ fn device_error(kernel: &str, error: impl fmt::Display) -> Error {
 
 /// Run a cubecl call, turning a panic into [`Error::KernelFailed`].
 fn contained<T>(what: &str, call: impl FnOnce() -> T) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)).map_err(|payload| {
-        match Error::from_panic(what, payload) {
-            Error::OperationPanicked { message, .. } => device_error(what, message),
-            other => other,
-        }
-    })
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(call))
+        .map_err(|payload| Error::from_kernel_panic(what, payload))
 }
 
 /// An allocation of at least one element: cubecl does not hand out empty buffers.
@@ -266,12 +262,7 @@ impl StreamRuntime for CudaRuntime {
             });
         }
         let bytes = n * out.dtype.size();
-        let in_place = inputs.first().is_some_and(|first| {
-            first.ir.status == TensorStatus::ReadWrite
-                && first.ir.dtype == out.dtype
-                && first.ir.shape == out.shape
-                && first.handle.handle.can_mut()
-        });
+        let in_place = crate::runtime::first_input_reusable::<Self>(&inputs, out);
         let handle = |i: usize| &inputs[i].handle.handle;
         let len = |i: usize| inputs[i].ir.shape.num_elements();
         macro_rules! numeric {

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn_backend::{DType, DeviceId, DeviceOps, Shape, StreamId, TensorData};
 use burn_fusion::stream::{Context, OrderedExecution};
 use burn_fusion::{FusionRuntime, NumOperations, OperationFuser, Optimization};
-use burn_ir::{TensorIr, TensorStatus};
+use burn_ir::TensorIr;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
@@ -360,12 +360,7 @@ impl StreamRuntime for HostRuntime {
         out: &TensorIr,
     ) -> Result<HostHandle> {
         let reuse = kernels::elementwise(kernel)
-            && inputs.first().is_some_and(|first| {
-                first.ir.status == TensorStatus::ReadWrite
-                    && first.ir.dtype == out.dtype
-                    && first.ir.shape == out.shape
-                    && Self::can_mut(&first.handle)
-            });
+            && crate::runtime::first_input_reusable::<Self>(&inputs, out);
         let deps: SmallVec<[Arc<Marker>; 2]> =
             inputs.iter().map(|i| i.handle.written.clone()).collect();
         // The kernel owns its inputs until it has run: no buffer it reads can be freed or written
@@ -412,13 +407,7 @@ impl StreamRuntime for HostRuntime {
                     Ok(())
                 };
                 let outcome = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-                    Err(match Error::from_panic(kernel.name(), payload) {
-                        Error::OperationPanicked { message, .. } => Error::KernelFailed {
-                            kernel: kernel.name().into(),
-                            message,
-                        },
-                        other => other,
-                    })
+                    Err(Error::from_kernel_panic(kernel.name(), payload))
                 });
                 if outcome.is_err() {
                     counters.kernels_failed.fetch_add(1, Ordering::Relaxed);
