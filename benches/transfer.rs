@@ -1,10 +1,11 @@
 //! Transfer paths on a GPU (feature `cuda`; run on the H200 with `./gpu-bin/transfer --bench`).
 //!
 //! * `transfer_paths`: 16 B, 64 KiB, 8 MiB and 256 MiB from one device buffer to the host:
-//!   `publish` + `download_into` a reused pinned buffer + `wait` (end to end), cubecl's own
-//!   `read_one`, a pageable `cuMemcpyDtoH`, and a raw `cuMemcpyDtoHAsync` + event into
-//!   `cuMemHostAlloc` memory (the practical limit), side by side in one run. Prints GB/s and
-//!   `ratio download_into_vs_raw_<size>` / `ratio download_into_vs_read_one_<size>`.
+//!   `download_into` a reused pinned buffer + `wait` (of values published beforehand, their
+//!   frontier reached), the same end to end with `publish` timed too, cubecl's own `read_one`, a
+//!   pageable `cuMemcpyDtoH`, and a raw `cuMemcpyDtoHAsync` + event into `cuMemHostAlloc`
+//!   memory (the practical limit), side by side in one run. Prints GB/s and
+//!   `ratio <path>_vs_raw_<size>` / `ratio <path>_vs_read_one_<size>`.
 //! * `transfer_overlap`: K rounds of produce → publish → download, pipelined (the next producer
 //!   runs while the previous copy does) against the same work done serially; the producer is
 //!   sized so that its compute time is about the copy time. Prints `ratio overlap_vs_serial`.
@@ -109,11 +110,40 @@ mod gpu {
             let device_ptr = resource.resource().ptr;
             group.throughput(Throughput::Bytes(bytes as u64));
 
-            // download_into, end to end, into one reused pinned buffer.
+            // download_into of published values whose frontier has been reached: batches are
+            // published and awaited untimed, then their downloads (+ wait) are timed. This is
+            // the hand-off path the raw baseline is the limit for.
             let mut session = CudaHeldSession::open(client).unwrap();
             let mut buffer = Some(CudaRuntime::alloc_pinned(client.context(), bytes).unwrap());
             let name = format!("download_into/{size}");
             group.bench_function(BenchmarkId::new("download_into", &size), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    let mut left = iters;
+                    while left > 0 {
+                        let batch = left.min(64);
+                        left -= batch;
+                        let published: Vec<_> = (0..batch)
+                            .map(|_| {
+                                let mut p = publish(&mut session, value.clone());
+                                p.await_frontier().unwrap();
+                                p
+                            })
+                            .collect();
+                        let start = Instant::now();
+                        for p in published {
+                            let pending = p.download_into(buffer.take().unwrap()).unwrap();
+                            buffer = Some(pending.wait().unwrap());
+                        }
+                        total += start.elapsed();
+                    }
+                    record(&name, total, iters);
+                    total
+                })
+            });
+            // End to end: publish + download_into + wait, the frontier recorded each time.
+            let name = format!("publish_download/{size}");
+            group.bench_function(BenchmarkId::new("publish_download", &size), |b| {
                 b.iter_custom(|iters| {
                     let start = Instant::now();
                     for _ in 0..iters {
@@ -248,14 +278,8 @@ mod gpu {
         group.finish();
     }
 
-    /// K rounds of produce → publish → download. The producer is a matmul sized so its compute
-    /// time is of the order of the copy time of its output.
-    fn overlap(c: &mut Criterion, client: &FusionClient<CudaRuntime>) {
-        const K: usize = 8;
-        // [4096, 64] @ [64, 4096]: a 64 MiB output (about 1.2 ms to copy at ~55 GB/s) from
-        // ~2.1 GFLOP of naive matmul, the same order of time.
-        let (m, k) = (4096, 64);
-        let n = m;
+    /// Inputs of the overlap producer: `[m, k] @ [k, m]`, a 64 MiB output for `m = 4096`.
+    fn producer_inputs(client: &FusionClient<CudaRuntime>, m: usize, k: usize) -> (Tensor, Tensor) {
         let a = client
             .from_data(TensorData::new(
                 (0..m * k).map(|i| (i % 5) as f32).collect::<Vec<_>>(),
@@ -268,10 +292,65 @@ mod gpu {
                 [k, m],
             ))
             .unwrap();
+        (a, b)
+    }
+
+    /// Seconds per round of `rounds` runs of `f`, the median of three.
+    fn per_round(rounds: usize, mut f: impl FnMut()) -> f64 {
+        let mut t: Vec<f64> = (0..3)
+            .map(|_| {
+                let start = Instant::now();
+                for _ in 0..rounds {
+                    f();
+                }
+                start.elapsed().as_secs_f64() / rounds as f64
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[1]
+    }
+
+    /// K rounds of produce → publish → download. The producer is a matmul whose inner dimension
+    /// is calibrated in this run so that its compute time matches the copy time of its output
+    /// (both measured alone first, and printed).
+    fn overlap(c: &mut Criterion, client: &FusionClient<CudaRuntime>) {
+        const K: usize = 8;
+        let m = 4096;
+        let n = m;
         let mut session = CudaHeldSession::open(client).unwrap();
         let mut buffers: Vec<PinnedHostBuffer> = (0..K)
             .map(|_| CudaRuntime::alloc_pinned(client.context(), n * n * 4).unwrap())
             .collect();
+        // The copy alone: downloads of a finished value.
+        let finished = client.fill([m, n], 1.0, DType::F32).unwrap();
+        client.sync().unwrap();
+        let copy = per_round(K, || {
+            let mut p = publish(&mut session, finished.clone());
+            p.await_frontier().unwrap();
+            let buffer = buffers.pop().unwrap();
+            buffers.push(p.download_into(buffer).unwrap().wait().unwrap());
+        });
+        drop(finished);
+        // The compute alone, at a probe size, then scaled (naive matmul time ∝ k).
+        let compute_at = |k: usize| {
+            let (a, b) = producer_inputs(client, m, k);
+            client.sync().unwrap();
+            per_round(1, || {
+                for round in 0..K {
+                    drop(a.matmul(&b).unwrap().scale(round as f64).unwrap());
+                }
+                client.sync().unwrap();
+            }) / K as f64
+        };
+        let probe = 64;
+        let k = ((probe as f64 * copy / compute_at(probe)).round() as usize).clamp(8, 4096);
+        let compute = compute_at(k);
+        eprintln!(
+            "transfer_overlap: inner dimension {k}: compute {:.3} ms, copy {:.3} ms per round",
+            compute * 1e3,
+            copy * 1e3
+        );
+        let (a, b) = producer_inputs(client, m, k);
         let mut group = c.benchmark_group("transfer_overlap");
         group.sample_size(10);
         for pipelined in [false, true] {
@@ -326,16 +405,31 @@ mod gpu {
             let size = label(bytes);
             let gbs =
                 |path: &str| median(&format!("{path}/{size}")).map(|s| bytes as f64 / s / 1e9);
-            let line: Vec<String> = ["download_into", "read_one", "pageable", "raw"]
-                .iter()
-                .map(|p| format!("{p} {:.3} GB/s", gbs(p).unwrap_or(f64::NAN)))
-                .collect();
+            let line: Vec<String> = [
+                "download_into",
+                "publish_download",
+                "read_one",
+                "pageable",
+                "raw",
+            ]
+            .iter()
+            .map(|p| format!("{p} {:.3} GB/s", gbs(p).unwrap_or(f64::NAN)))
+            .collect();
             println!("  {size:>6}: {}", line.join("   "));
             if let (Some(ours), Some(raw), Some(read)) =
                 (gbs("download_into"), gbs("raw"), gbs("read_one"))
             {
                 println!("ratio download_into_vs_raw_{size}: {:.3}", ours / raw);
                 println!("ratio download_into_vs_read_one_{size}: {:.3}", ours / read);
+            }
+            if let (Some(e2e), Some(raw), Some(read)) =
+                (gbs("publish_download"), gbs("raw"), gbs("read_one"))
+            {
+                println!("ratio publish_download_vs_raw_{size}: {:.3}", e2e / raw);
+                println!(
+                    "ratio publish_download_vs_read_one_{size}: {:.3}",
+                    e2e / read
+                );
             }
         }
         if let (Some(p), Some(f)) = (median("publish"), median("frontier_ready")) {

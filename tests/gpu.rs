@@ -413,6 +413,51 @@ mod transfer {
         println!("terminal path observed: {error}");
     }
 
+    /// Both copy routes give exact bytes and keep the allocation until their event: a download
+    /// asked for while the frontier is pending goes through the stream's waiter; one asked for
+    /// after `await_frontier` is enqueued by the caller at once. A direct copy dropped in flight
+    /// is retired, and `synchronize` releases it.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_direct_and_waiter_copies_are_exact_and_retained_until_done() {
+        let c = client();
+        let mut session = HeldSession::open(&c).unwrap();
+        let len = 64 << 20; // 256 MiB: milliseconds to copy
+        let data: Vec<f32> = (0..len).map(|i| (i % 1013) as f32).collect();
+        let value = c
+            .from_data(burn_backend::TensorData::new(data, [len]))
+            .unwrap();
+        let doubled = value.scale(2.0).unwrap();
+        // Waiter route: the frontier is still pending when the download is asked for.
+        let waited = download(
+            publish(&mut session, doubled.clone()),
+            pinned(c.context(), len * 4),
+        )
+        .wait()
+        .unwrap();
+        // Direct route: the frontier has been reached.
+        let mut p = publish(&mut session, doubled);
+        p.await_frontier().unwrap();
+        let direct = download(p, pinned(c.context(), len * 4)).wait().unwrap();
+        for (name, buffer) in [("waiter", &waited), ("direct", &direct)] {
+            let got = buffer_f32s(buffer);
+            for i in [0, 1012, 1013, len / 2 + 7, len - 1] {
+                assert_eq!(got[i], 2.0 * (i % 1013) as f32, "{name} route, element {i}");
+            }
+        }
+        // A direct copy dropped in flight: retired until its event, then released.
+        let before = c.context().retirement().stats();
+        let mut p = publish(&mut session, value);
+        p.await_frontier().unwrap();
+        drop(download(p, direct));
+        let after = c.context().retirement().stats();
+        assert_eq!(after.pending, before.pending + 1, "retired while copying");
+        session.synchronize().unwrap();
+        let settled = c.context().retirement().stats();
+        assert_eq!(settled.pending, 0);
+        assert!(settled.released > before.released);
+    }
+
     /// A value produced on another stream (thread) is published from this session through a
     /// view; the frontier also covers the stream that produced it.
     #[test]

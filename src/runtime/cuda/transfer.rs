@@ -20,6 +20,10 @@
 //!    `ManagedResource` are held until that event has completed, so the allocation cannot be
 //!    reused under the copy.
 //!
+//!    A download asked for once the frontier has been reached skips the waiter: the caller
+//!    enqueues the copy at once on a shared non-blocking stream (the common case of handing off
+//!    a finished value, and the one that matches a raw `cuMemcpyDtoHAsync` + event).
+//!
 //! A stuck stream delays only its own later jobs, which the device orders after it anyway: there
 //! is no head-of-line blocking across streams. The cost is a host hop between frontier and copy.
 //!
@@ -317,8 +321,53 @@ type Server = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::Server;
 pub(crate) struct CudaTransfer {
     primary: Arc<PrimaryContext>,
     waiters: Mutex<HashMap<u64, Waiter>>,
+    /// The stream of copies whose frontier had already been reached when they were asked for:
+    /// those are enqueued by the caller at once, without a hop through a waiter. Declared after
+    /// `waiters`, so it is synchronised and destroyed after them.
+    direct: OnceLock<Result<DirectStream>>,
     /// cubecl's device service, for non-blocking submissions to its server.
     device: cubecl::device_handle::DeviceHandle<Server>,
+}
+
+/// A non-blocking stream of the primary context, synchronised and destroyed with its owner.
+struct DirectStream {
+    stream: sys::CUstream,
+    primary: Arc<PrimaryContext>,
+}
+
+// SAFETY: a CUstream is a driver handle that the driver accepts from any thread; enqueues on
+// one stream from several threads are serialised by the driver.
+unsafe impl Send for DirectStream {}
+// SAFETY: see `Send`.
+unsafe impl Sync for DirectStream {}
+
+impl DirectStream {
+    fn new(primary: &Arc<PrimaryContext>) -> Result<Self> {
+        primary.make_current()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("cuStreamCreate", e))?;
+        Ok(Self {
+            stream,
+            primary: primary.clone(),
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.primary.make_current()?;
+        // SAFETY: the stream lives as long as `self`.
+        unsafe { result::stream::synchronize(self.stream) }
+            .map_err(|e| driver("cuStreamSynchronize", e))
+    }
+}
+
+impl Drop for DirectStream {
+    fn drop(&mut self) {
+        // Every copy enqueued here completes before the stream goes.
+        if self.synchronize().is_ok() {
+            // SAFETY: last owner of the stream.
+            let _ = unsafe { result::stream::destroy(self.stream) };
+        }
+    }
 }
 
 impl CudaTransfer {
@@ -327,6 +376,7 @@ impl CudaTransfer {
         Ok(Self {
             primary: PrimaryContext::retain(ctx.device.index)?,
             waiters: Mutex::new(HashMap::new()),
+            direct: OnceLock::new(),
             device: cubecl::device_handle::DeviceHandle::new(ctx.device.to_id()),
         })
     }
@@ -403,32 +453,10 @@ fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job
                 bytes,
                 event,
             } => {
-                let enqueued = frontier.wait().and_then(|()| {
-                    let copy_stream = stream.as_ref().map_err(Clone::clone)?;
-                    let (source, resource) = frontier
-                        .0
-                        .resolved
-                        .lock()
-                        .clone()
-                        .ok_or_else(|| Error::Runtime("frontier without an address".into()))?;
-                    primary.make_current()?;
-                    // SAFETY: `source` is a live device allocation of at least `bytes` bytes
-                    // (kept alive by `handle` and `resource`, held until the copy's event
-                    // completes); `dst` is host memory of `bytes` bytes owned by the download
-                    // until then; `copy_stream` belongs to this thread.
-                    unsafe {
-                        sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, bytes, *copy_stream)
-                    }
-                    .result()
-                    .map_err(|e| driver("cuMemcpyDtoHAsync", e))?;
-                    let cuda_event =
-                        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                            .map_err(|e| driver("cuEventCreate", e))?;
-                    // SAFETY: both handles were just created on this thread's current context.
-                    unsafe { result::event::record(cuda_event, *copy_stream) }
-                        .map_err(|e| driver("cuEventRecord", e))?;
-                    Ok((cuda_event, resource))
-                });
+                let copy_stream = stream.as_ref().map_err(Clone::clone);
+                let enqueued = frontier
+                    .wait()
+                    .and_then(|()| enqueue_copy(&primary, copy_stream?, &frontier, &*dst, bytes));
                 match enqueued {
                     Ok((cuda_event, resource)) => event.set(State::Enqueued {
                         event: cuda_event,
@@ -449,6 +477,40 @@ fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job
     }
 }
 
+/// Enqueue the copy of a reached frontier's value into `dst` on `copy_stream`, and record its
+/// event. Returns the event and the cubecl resource that must outlive the copy.
+fn enqueue_copy(
+    primary: &PrimaryContext,
+    copy_stream: &sys::CUstream,
+    frontier: &CudaEvent,
+    dst: &dyn PinnedMemory,
+    bytes: usize,
+) -> Result<(sys::CUevent, Arc<dyn Any + Send + Sync>)> {
+    let (source, resource) = frontier
+        .0
+        .resolved
+        .lock()
+        .clone()
+        .ok_or_else(|| Error::Runtime("frontier without an address".into()))?;
+    primary.make_current()?;
+    // SAFETY: `source` is a live device allocation of at least `bytes` bytes (kept alive by the
+    // caller's handle and `resource`, held until the copy's event completes); `dst` is host
+    // memory of `bytes` bytes owned by the download until then; `copy_stream` is a live stream
+    // of the primary context, and the driver accepts enqueues on it from any thread.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, bytes, *copy_stream) }
+        .result()
+        .map_err(|e| driver("cuMemcpyDtoHAsync", e))?;
+    let cuda_event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        .map_err(|e| driver("cuEventCreate", e))?;
+    // SAFETY: both handles are live in the current (primary) context.
+    if let Err(e) = unsafe { result::event::record(cuda_event, *copy_stream) } {
+        // SAFETY: created just above, never shared.
+        let _ = unsafe { result::event::destroy(cuda_event) };
+        return Err(driver("cuEventRecord", e));
+    }
+    Ok((cuda_event, resource))
+}
+
 impl CudaTransfer {
     /// Wait until every waiter has handled its jobs so far and finished its copies.
     fn barrier(&self) -> Result<()> {
@@ -458,7 +520,17 @@ impl CudaTransfer {
             self.send(StreamId { value: stream }, Job::Barrier(event.clone()))?;
             event.wait()?;
         }
+        if let Some(Ok(direct)) = self.direct.get() {
+            direct.synchronize()?;
+        }
         Ok(())
+    }
+
+    fn direct(&self) -> Result<&DirectStream> {
+        self.direct
+            .get_or_init(|| DirectStream::new(&self.primary))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 }
 
@@ -550,6 +622,23 @@ impl TransferRuntime for CudaRuntime {
         }
         let transfer = ctx.transfer()?;
         let event = CudaEvent::pending(&transfer.primary);
+        if let Some(Ok(())) = frontier.poll() {
+            // The frontier has been reached: nothing is left to order the copy after, so it is
+            // enqueued here, with no hop through the stream's waiter.
+            let dst = buffer.memory.clone();
+            let (cuda_event, resource) = enqueue_copy(
+                &transfer.primary,
+                &transfer.direct()?.stream,
+                frontier,
+                &*dst,
+                bytes,
+            )?;
+            event.set(State::Enqueued {
+                event: cuda_event,
+                keep: Box::new((handle.handle.clone(), resource, dst)),
+            });
+            return Ok(event);
+        }
         transfer.send(
             stream,
             Job::Download {
