@@ -89,6 +89,22 @@ impl Peer {
         rx.recv().expect("peer thread panicked")
     }
 
+    /// Start `f` on this thread; its result arrives on the returned channel.
+    pub fn start<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::sync::mpsc::Receiver<T> {
+        let (tx, rx) = channel();
+        self.jobs
+            .as_ref()
+            .unwrap()
+            .send(Box::new(move || {
+                let _ = tx.send(f());
+            }))
+            .unwrap();
+        rx
+    }
+
     /// The peer's stream id.
     pub fn stream(&self) -> burn_backend::StreamId {
         self.run(burn_backend::StreamId::current)
