@@ -317,7 +317,7 @@ impl<R: StreamRuntime> FusionClient<R> {
 
         // 3. The IRs move into the operation's body; the engine reads them there.
         let input_irs = crate::small::collect(locals.iter().map(|local| match local {
-            Local::Owned(t) if Arc::strong_count(&t.inner) == 1 => t.ir(TensorStatus::ReadWrite),
+            Local::Owned(t) if t.inner.count() == 1 => t.ir(TensorStatus::ReadWrite),
             other => other.tensor().ir(TensorStatus::ReadOnly),
         }));
         let output_irs =
@@ -346,11 +346,11 @@ impl<R: StreamRuntime> FusionClient<R> {
                 let Local::Owned(mut tensor) = local else {
                     continue;
                 };
-                match Arc::get_mut(&mut tensor.inner) {
-                    Some(inner) if ir.status == TensorStatus::ReadWrite => {
+                match tensor.inner.get_mut() {
+                    Some(owned) if ir.status == TensorStatus::ReadWrite => {
                         // The operation owns the id now: this struct must not free it.
-                        inner.released = true;
-                        state.shared_sources.remove(&inner.id);
+                        owned.armed = false;
+                        state.shared_sources.remove(&owned.value.id);
                         consumed.push(tensor);
                     }
                     _ => read_only_owned.push(tensor),
@@ -386,7 +386,12 @@ impl<R: StreamRuntime> FusionClient<R> {
                 self.clone(),
             );
         };
-        let inner = Arc::get_mut(&mut tensor.inner).expect("consumed operands are unique");
+        let owned = tensor
+            .inner
+            .get_mut()
+            .expect("consumed operands are unique");
+        owned.armed = true;
+        let inner = &mut owned.value;
         inner.id = out.id;
         inner.dtype = out.dtype;
         if inner.shape != out.shape {
@@ -395,7 +400,6 @@ impl<R: StreamRuntime> FusionClient<R> {
         if !Arc::ptr_eq(&inner.home, home) {
             inner.home = home.clone();
         }
-        inner.released = false;
         tensor
     }
 }

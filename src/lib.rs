@@ -51,6 +51,8 @@ mod client;
 pub mod cuda;
 mod error;
 pub mod id;
+mod live;
+mod loom;
 mod operation;
 mod ops;
 pub mod runtime;

@@ -7,6 +7,7 @@ use burn_backend::{DType, Element, Shape, StreamId, TensorData};
 use burn_ir::{TensorId, TensorIr, TensorStatus};
 
 use crate::client::FusionClient;
+use crate::live::{Live, Release};
 use crate::runtime::StreamRuntime;
 use crate::stream::StreamCell;
 use crate::{Error, Result};
@@ -21,18 +22,15 @@ pub(crate) struct TensorInner<R: StreamRuntime> {
     /// The stream whose handle map holds this id.
     pub(crate) home: Arc<StreamCell<R>>,
     pub(crate) client: FusionClient<R>,
-    /// Set when the id's last reference was handed to an operation (`ReadWrite`) or to a consuming
-    /// read: the engine frees it then, so the drop must not.
-    pub(crate) released: bool,
 }
 
-impl<R: StreamRuntime> Drop for TensorInner<R> {
-    fn drop(&mut self) {
+/// Run by the id's last owner, unless the id's last reference was handed to an operation
+/// (`ReadWrite`) or to a consuming read, which disarm it: the engine frees the id then.
+impl<R: StreamRuntime> Release for TensorInner<R> {
+    fn release(&mut self) {
         // No early return while panicking (burn's workaround leaks the handle): `release` never
         // blocks on a lock this thread holds, so it is safe during unwinding too.
-        if !self.released {
-            self.client.streams().release(&self.home, self.id);
-        }
+        self.client.streams().release(&self.home, self.id);
     }
 }
 
@@ -71,7 +69,7 @@ impl<R: StreamRuntime> Drop for TensorInner<R> {
 /// # Ok::<(), fusion_streams::Error>(())
 /// ```
 pub struct FusionTensor<R: StreamRuntime> {
-    pub(crate) inner: Arc<TensorInner<R>>,
+    pub(crate) inner: Live<TensorInner<R>>,
 }
 
 impl<R: StreamRuntime> FusionTensor<R> {
@@ -83,13 +81,12 @@ impl<R: StreamRuntime> FusionTensor<R> {
         client: FusionClient<R>,
     ) -> Self {
         Self {
-            inner: Arc::new(TensorInner {
+            inner: Live::new(TensorInner {
                 id,
                 shape,
                 dtype,
                 home,
                 client,
-                released: false,
             }),
         }
     }
@@ -126,7 +123,7 @@ impl<R: StreamRuntime> FusionTensor<R> {
 
     /// Number of live [`FusionTensor`]s with this id (on its home stream).
     pub fn live_count(&self) -> usize {
-        Arc::strong_count(&self.inner)
+        self.inner.count()
     }
 
     /// The intermediate representation of this tensor used as an operand with `status`.
@@ -182,13 +179,14 @@ impl<R: StreamRuntime> FusionTensor<R> {
     /// the id is released in the same step as the read (as its last drop would release it:
     /// behind any pending operation that still reads it).
     pub fn into_data(self) -> Result<TensorData> {
-        match Arc::try_unwrap(self.inner) {
-            Ok(mut inner) => {
-                let entry = inner.client.streams().mark_read(&inner.home, inner.id);
-                if entry.is_ok() {
-                    inner.released = true;
-                }
-                inner.client.read_entry(entry?, &inner.shape, inner.dtype)
+        match self.inner.try_take() {
+            Ok(mut last) => {
+                let inner = last.get();
+                let entry = inner.client.streams().mark_read(&inner.home, inner.id)?;
+                // `mark_read` released the id: dropping `last` must not release it again.
+                last.disarm();
+                let inner = last.get();
+                inner.client.read_entry(entry, &inner.shape, inner.dtype)
             }
             Err(inner) => FusionTensor { inner }.read(),
         }

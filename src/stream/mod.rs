@@ -2,6 +2,7 @@
 
 mod cell;
 mod execution;
+pub(crate) mod inbox;
 mod local;
 mod state;
 

@@ -26,7 +26,7 @@
 
 use std::collections::VecDeque;
 
-use parking_lot::Mutex;
+use crate::loom::sync::Mutex;
 
 use crate::Result;
 
@@ -145,7 +145,7 @@ impl<T: Retire> std::fmt::Debug for RetirementQueue<T> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     //! Properties: completed records are released in any order (no head-of-line blocking); a
     //! full queue resolves its oldest record; terminal records are never released before
@@ -261,5 +261,78 @@ mod tests {
             1,
             "released once, at teardown"
         );
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    //! Every interleaving of retiring, resolving at capacity, completing and sweeping: each
+    //! record is released exactly once, never before its device work has finished, and nothing
+    //! is left once all work has finished and the queue is swept.
+    use super::*;
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use loom::thread;
+
+    struct Record {
+        done: Arc<AtomicBool>,
+        released: Arc<AtomicUsize>,
+    }
+
+    impl Retire for Record {
+        fn poll(&self) -> Option<Result<()>> {
+            self.done.load(Ordering::Acquire).then_some(Ok(()))
+        }
+        fn wait(&self) -> Result<()> {
+            while !self.done.load(Ordering::Acquire) {
+                thread::yield_now();
+            }
+            Ok(())
+        }
+    }
+
+    impl Drop for Record {
+        fn drop(&mut self) {
+            assert!(
+                self.done.load(Ordering::Acquire),
+                "released while its device work was running"
+            );
+            self.released.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn loom_retire_at_capacity_and_sweep_release_each_record_once() {
+        loom::model(|| {
+            let queue = Arc::new(RetirementQueue::new(1));
+            let released = Arc::new(AtomicUsize::new(0));
+            let done: Vec<Arc<AtomicBool>> =
+                (0..2).map(|_| Arc::new(AtomicBool::new(false))).collect();
+            let retirers: Vec<_> = done
+                .iter()
+                .map(|d| {
+                    let (queue, record) = (
+                        queue.clone(),
+                        Record {
+                            done: d.clone(),
+                            released: released.clone(),
+                        },
+                    );
+                    // The second to retire finds the queue full and resolves the oldest.
+                    thread::spawn(move || queue.retire(record, false))
+                })
+                .collect();
+            // The device finishes both, then a synchronize sweeps.
+            for d in &done {
+                d.store(true, Ordering::Release);
+            }
+            queue.sweep();
+            retirers.into_iter().for_each(|t| t.join().unwrap());
+            queue.sweep();
+            let s = queue.stats();
+            assert_eq!(s.pending, 0);
+            assert_eq!(s.released, 2);
+            assert_eq!(released.load(Ordering::SeqCst), 2);
+        });
     }
 }

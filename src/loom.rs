@@ -1,0 +1,45 @@
+//! The one import point for the synchronisation primitives that loom model-checks (tokio's
+//! layout).
+//!
+//! The small concurrency-critical pieces — the inbox lock ([`crate::stream::inbox`]), the live
+//! count and last-owner release ([`crate::live`]) and the retirement queue
+//! ([`crate::transfer::RetirementQueue`]) — take their `Arc`, `Mutex`, atomics and fences from
+//! here. A normal build gets `std` and `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets
+//! loom's instrumented versions, and the `loom_*` unit tests explore every interleaving of
+//! those pieces (bounded preemptions):
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --release --lib loom_
+//! ```
+
+#[cfg(not(loom))]
+pub(crate) mod sync {
+    pub(crate) use parking_lot::{Mutex, MutexGuard};
+    pub(crate) use std::sync::Arc;
+    pub(crate) use std::sync::atomic::{AtomicBool, Ordering, fence};
+}
+
+#[cfg(loom)]
+pub(crate) mod sync {
+    pub(crate) use loom::sync::Arc;
+    pub(crate) use loom::sync::MutexGuard;
+    pub(crate) use loom::sync::atomic::{AtomicBool, Ordering, fence};
+
+    /// loom's mutex behind `parking_lot`'s API (no poisoning).
+    #[derive(Debug, Default)]
+    pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
+
+    impl<T> Mutex<T> {
+        pub(crate) fn new(value: T) -> Self {
+            Self(loom::sync::Mutex::new(value))
+        }
+
+        pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner())
+        }
+
+        pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+            self.0.try_lock().ok()
+        }
+    }
+}
