@@ -86,7 +86,8 @@ impl<R: TransferRuntime> HeldSession<R> {
     /// # Errors
     ///
     /// * [`PublicationAdmissionError::Rejected`], with the value unchanged, when nothing was
-    ///   enqueued: a value of another client, a dtype the runtime cannot publish, a producer whose
+    ///   enqueued: a value of another client, a dtype the runtime cannot publish, an empty value
+    ///   (zero bytes: no buffer could receive it), a producer whose
     ///   failure is already known at the dispatch boundary (its error record), a re-entrant call.
     /// * [`PublicationAdmissionError::Unproven`] when recording the frontier failed: the value is
     ///   released, no owner is returned.
@@ -160,6 +161,13 @@ impl<R: TransferRuntime> HeldSession<R> {
                 op: "publish",
                 dtype: value.dtype(),
             };
+            return reject(value, reason);
+        }
+        if value.shape().num_elements() == 0 {
+            let reason = Error::InvalidData(
+                "a value of zero bytes cannot be published: no pinned buffer could receive it"
+                    .into(),
+            );
             return reject(value, reason);
         }
         if in_engine() {
