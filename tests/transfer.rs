@@ -49,6 +49,10 @@ fn publication_survives_session_close() {
 /// §4 "Producer frontier": publish right after a deliberately large producer — the frontier is
 /// not ready; `await_frontier` then succeeds and the copy is exact.
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "33M multiply-adds take hours under miri; the frontier logic is covered by frontier_stays_pending_while_the_stream_is_held"
+)]
 fn frontier_is_not_ready_right_after_a_large_producer() {
     let c = client();
     let mut session = HeldSession::open(&c).unwrap();
