@@ -25,7 +25,9 @@
 //!    a finished value, and the one that matches a raw `cuMemcpyDtoHAsync` + event).
 //!
 //! A stuck stream delays only its own later jobs, which the device orders after it anyway: there
-//! is no head-of-line blocking across streams. The cost is a host hop between frontier and copy.
+//! is no head-of-line blocking across streams. The cost is a host hop between frontier and copy;
+//! both hand-offs (server → waiter, waiter → caller) spin for up to 50 µs before sleeping, which
+//! took publish + download of small values from 0.67 to 0.78–0.86 of cubecl's `read_one`.
 //!
 //! Teardown (dropping the last owner of the runtime context) lets every waiter finish its jobs,
 //! synchronises its copy stream, and only then releases the retirement queue.
@@ -246,6 +248,7 @@ impl CudaEvent {
     }
 
     fn wait(&self) -> Result<()> {
+        spin_until(|| !matches!(*self.0.state.lock(), State::Pending));
         let mut state = self.0.state.lock();
         loop {
             match &*state {
@@ -277,6 +280,28 @@ impl Drop for EventInner {
             // SAFETY: last owner of the event.
             let _ = unsafe { result::event::synchronize(*event) };
             let _ = unsafe { result::event::destroy(*event) };
+        }
+    }
+}
+
+/// How long a waiter on a hand-off between threads spins before it sleeps. A frontier or a copy
+/// that is about to be ready usually is within a few microseconds; a futex wake-up costs about
+/// as much again, on each of the two hand-offs of a download. Bounded, so a long wait costs at
+/// most this much CPU.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Spin (re-checking `ready`) for at most [`SPIN`]; whether it became ready.
+fn spin_until(mut ready: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= SPIN {
+            return false;
+        }
+        for _ in 0..64 {
+            std::hint::spin_loop();
         }
     }
 }
@@ -426,7 +451,16 @@ fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job
                 event.set(State::Done(outcome));
             }
             Job::Frontier { parts, event } => {
-                let outcome = match parts.recv() {
+                let mut early = None;
+                spin_until(|| {
+                    early = parts.try_recv().ok();
+                    early.is_some()
+                });
+                let received = match early {
+                    Some(parts) => Ok(parts),
+                    None => parts.recv(),
+                };
+                let outcome = match received {
                     Ok((resolved, fences)) => {
                         // Every fence is polled to completion (an unpolled one leaks its event).
                         let mut outcome = Ok(());
