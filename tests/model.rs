@@ -102,13 +102,7 @@ fn generated_programs_exercise_every_kind_of_check() {
     let mut total = RunReport::default();
     for _ in 0..200 {
         let program = program().new_tree(&mut runner).unwrap().current();
-        let r = run_program(&program).unwrap_or_else(|e| panic!("{e}\n{program:?}"));
-        total.rounds += r.rounds;
-        total.concurrent_rounds += r.concurrent_rounds;
-        total.reads += r.reads;
-        total.publications += r.publications;
-        total.downloads += r.downloads;
-        total.refusals += r.refusals;
+        total += run_program(&program).unwrap_or_else(|e| panic!("{e}\n{program:?}"));
     }
     println!("200 programs: {total:?}");
     assert!(

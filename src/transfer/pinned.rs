@@ -90,12 +90,18 @@ impl PinnedHostBuffer {
     ///
     /// A zero length is rejected with [`Error::InvalidData`].
     pub fn new(len: usize) -> Result<Self> {
+        Self::check_len(len)?;
+        Ok(Self::from_memory(Arc::new(HostPages::new(len)?)))
+    }
+
+    /// The length rule every allocator of pinned buffers applies: at least one byte.
+    pub(crate) fn check_len(len: usize) -> Result<()> {
         if len == 0 {
             return Err(Error::InvalidData(
                 "a pinned buffer needs at least one byte".into(),
             ));
         }
-        Ok(Self::from_memory(Arc::new(HostPages::new(len)?)))
+        Ok(())
     }
 
     pub(crate) fn from_memory(memory: Arc<dyn PinnedMemory>) -> Self {

@@ -78,15 +78,7 @@ impl Peer {
 
     /// Run `f` on this thread and return its result.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let (tx, rx) = channel();
-        self.jobs
-            .as_ref()
-            .unwrap()
-            .send(Box::new(move || {
-                let _ = tx.send(f());
-            }))
-            .unwrap();
-        rx.recv().expect("peer thread panicked")
+        self.start(f).recv().expect("peer thread panicked")
     }
 
     /// Start `f` on this thread; its result arrives on the returned channel.

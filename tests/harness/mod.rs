@@ -792,6 +792,17 @@ pub struct RunReport {
     pub refusals: usize,
 }
 
+impl std::ops::AddAssign for RunReport {
+    fn add_assign(&mut self, r: Self) {
+        self.rounds += r.rounds;
+        self.concurrent_rounds += r.concurrent_rounds;
+        self.reads += r.reads;
+        self.publications += r.publications;
+        self.downloads += r.downloads;
+        self.refusals += r.refusals;
+    }
+}
+
 /// Run `program` on a fresh engine over [`THREADS`] threads and check it against the model.
 pub fn run_program(program: &Program) -> Result<RunReport, String> {
     let world = Arc::new(World {
@@ -804,14 +815,6 @@ pub fn run_program(program: &Program) -> Result<RunReport, String> {
     let peers: Vec<Peer> = (0..THREADS).map(|_| Peer::spawn()).collect();
     let mut reference = Reference::new();
     let mut report = RunReport::default();
-    let counted = |mut report: RunReport, reference: &Reference| {
-        let c = reference.counts;
-        report.reads = c.reads;
-        report.publications = c.publications;
-        report.downloads = c.downloads;
-        report.refusals = c.refusals;
-        report
-    };
 
     for (number, round) in rounds(program).into_iter().enumerate() {
         report.rounds += 1;
@@ -923,7 +926,11 @@ pub fn run_program(program: &Program) -> Result<RunReport, String> {
     if runtime.upgrade().is_some() {
         return Err("the runtime outlived its last client".into());
     }
-    Ok(counted(report, &reference))
+    Ok(RunReport {
+        rounds: report.rounds,
+        concurrent_rounds: report.concurrent_rounds,
+        ..reference.counts
+    })
 }
 
 /// Decode a program from arbitrary bytes (the fuzz target's generator): every byte string is a

@@ -695,11 +695,7 @@ impl TransferRuntime for CudaRuntime {
     }
 
     fn alloc_pinned(ctx: &CudaContext, len: usize) -> Result<PinnedHostBuffer> {
-        if len == 0 {
-            return Err(Error::InvalidData(
-                "a pinned buffer needs at least one byte".into(),
-            ));
-        }
+        PinnedHostBuffer::check_len(len)?;
         let primary = &ctx.transfer()?.primary;
         Ok(PinnedHostBuffer::from_memory(Arc::new(CudaPinned::new(
             primary, len,
