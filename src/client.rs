@@ -96,17 +96,68 @@ impl<R: StreamRuntime> Operand<'_, R> {
     }
 }
 
-/// What a caller passed, after foreign operands were turned into local views.
+/// An operand on its way into an operation: a tensor of the current stream, or a foreign one
+/// that will be read through a view on the current stream under a reserved id.
 enum Local<'a, R: StreamRuntime> {
     Borrowed(&'a FusionTensor<R>),
     Owned(FusionTensor<R>),
+    /// Minted into a view (under `view`) only once the operation has been validated, so that a
+    /// rejection hands back exactly what the caller gave.
+    Foreign {
+        source: Operand<'a, R>,
+        view: burn_ir::TensorId,
+    },
 }
 
-impl<R: StreamRuntime> Local<'_, R> {
-    fn tensor(&self) -> &FusionTensor<R> {
+impl<'a, R: StreamRuntime> Local<'a, R> {
+    fn new(operand: Operand<'a, R>, current: StreamId) -> Self {
+        match operand {
+            Operand::Read(t) if t.stream() == current => Local::Borrowed(t),
+            Operand::Consume(t) if t.stream() == current => Local::Owned(t),
+            source => Local::Foreign {
+                source,
+                view: crate::id::fresh_tensor_id(),
+            },
+        }
+    }
+
+    /// The operand as the operation records it. An owned tensor that is the last reference to its
+    /// id is handed over `ReadWrite`; so is a foreign operand's view, which only the operation
+    /// will own. Everything else is `ReadOnly`.
+    fn ir(&self) -> TensorIr {
         match self {
-            Local::Borrowed(t) => t,
-            Local::Owned(t) => t,
+            Local::Owned(t) if t.inner.count() == 1 => t.ir(TensorStatus::ReadWrite),
+            Local::Owned(t) => t.ir(TensorStatus::ReadOnly),
+            Local::Borrowed(t) => t.ir(TensorStatus::ReadOnly),
+            Local::Foreign { source, view } => TensorIr {
+                id: *view,
+                ..source.tensor().ir(TensorStatus::ReadWrite)
+            },
+        }
+    }
+
+    /// What a rejection hands back: the tensor the caller handed over, if any, unchanged.
+    fn into_returned(self) -> Option<FusionTensor<R>> {
+        match self {
+            Local::Owned(t)
+            | Local::Foreign {
+                source: Operand::Consume(t),
+                ..
+            } => Some(t),
+            Local::Borrowed(_)
+            | Local::Foreign {
+                source: Operand::Read(_),
+                ..
+            } => None,
+        }
+    }
+
+    /// Mint a foreign operand's view (materialising its source) and let go of a handed-over
+    /// source; local operands pass through.
+    fn into_local(self) -> Self {
+        match self {
+            Local::Foreign { source, view } => Local::Owned(source.tensor().share_as(view)),
+            local => local,
         }
     }
 }
@@ -212,12 +263,12 @@ impl<R: StreamRuntime> FusionClient<R> {
     /// Create a tensor on the current stream from host data (copied to the device now).
     pub fn from_data(&self, data: TensorData) -> Result<FusionTensor<R>> {
         Self::refuse_reentry("FusionClient::from_data")?;
-        let expected = data.shape.num_elements() * data.dtype.size();
+        let expected = self.check_size("host data", &data.shape, data.dtype)?;
         if data.bytes.len() != expected {
             return Err(Error::InvalidData(format!(
                 "{} bytes for shape {:?} of {:?} (expected {expected})",
                 data.bytes.len(),
-                data.shape,
+                &data.shape[..],
                 data.dtype
             )));
         }
@@ -276,11 +327,15 @@ impl<R: StreamRuntime> FusionClient<R> {
     ///
     /// The steps, in order, each one a point where nothing is lost if it fails:
     ///
-    /// 1. Refuse re-entrant calls and tensors of other clients, handing every operand back.
-    /// 2. Turn foreign operands into shared views on the current stream (outside any lock).
-    /// 3. Decide each operand's status tentatively: an owned operand that is the last reference to
-    ///    its id is `ReadWrite`, everything else `ReadOnly`. Mint fresh output ids and build the
-    ///    operation (user code, outside any lock). `validate` may still reject here.
+    /// 1. Refuse re-entrant calls, tensors of other clients and outputs whose size is impossible,
+    ///    handing every operand back.
+    /// 2. Decide each operand's IR without touching the engine: a local operand that is the last
+    ///    reference to its id is `ReadWrite`, other local ones `ReadOnly`; a foreign operand gets a
+    ///    reserved id for the view it will be read through (`ReadWrite`: only the operation owns
+    ///    that view). Mint fresh output ids and build the operation (user code, outside any lock).
+    ///    `validate` may still reject here: the caller gets back exactly the tensors it handed
+    ///    over, unchanged and in order, and no view was minted.
+    /// 3. Turn foreign operands into shared views under their reserved ids (outside any lock).
     /// 4. Under the current stream's lock, commit the statuses (a `ReadWrite` operand is released
     ///    to the operation and leaves `shared_sources`) and enqueue.
     /// 5. After the lock, drop the `ReadOnly` owned operands (a last drop now lands behind the
@@ -295,31 +350,27 @@ impl<R: StreamRuntime> FusionClient<R> {
         validate: impl FnOnce(&B) -> Result<()>,
     ) -> Result<SmallVec<[FusionTensor<R>; 1]>, Rejected<FusionTensor<R>>> {
         // 1.
-        if let Err(error) = Self::refuse_reentry("FusionClient::register") {
-            return Err(hand_back(operands, error));
-        }
-        if let Some(error) = operands
-            .iter()
-            .find_map(|o| self.check_owner(o.tensor()).err())
-        {
+        let refused = Self::refuse_reentry("FusionClient::register")
+            .and_then(|()| {
+                operands
+                    .iter()
+                    .try_for_each(|o| self.check_owner(o.tensor()))
+            })
+            .and_then(|()| {
+                outputs.iter().try_for_each(|(shape, dtype)| {
+                    self.check_size("an operation output", shape, *dtype)
+                        .map(drop)
+                })
+            });
+        if let Err(error) = refused {
             return Err(hand_back(operands, error));
         }
 
-        // 2.
+        // 2. The IRs move into the operation's body; the engine reads them there.
         let current = StreamId::current();
         let mut locals: SmallVec<[Local<'_, R>; 2]> =
-            crate::small::collect(operands.into_iter().map(|operand| match operand {
-                Operand::Read(t) if t.stream() == current => Local::Borrowed(t),
-                Operand::Read(t) => Local::Owned(t.share()),
-                Operand::Consume(t) if t.stream() == current => Local::Owned(t),
-                Operand::Consume(t) => Local::Owned(t.share()),
-            }));
-
-        // 3. The IRs move into the operation's body; the engine reads them there.
-        let input_irs = crate::small::collect(locals.iter().map(|local| match local {
-            Local::Owned(t) if t.inner.count() == 1 => t.ir(TensorStatus::ReadWrite),
-            other => other.tensor().ir(TensorStatus::ReadOnly),
-        }));
+            crate::small::collect(operands.into_iter().map(|o| Local::new(o, current)));
+        let input_irs = crate::small::collect(locals.iter().map(Local::ir));
         let output_irs =
             crate::small::collect(outputs.into_iter().map(|(shape, dtype)| TensorIr {
                 id: crate::id::fresh_tensor_id(),
@@ -331,18 +382,20 @@ impl<R: StreamRuntime> FusionClient<R> {
         if let Err(error) = validate(&body) {
             let returned = locals
                 .into_iter()
-                .filter_map(|l| match l {
-                    Local::Owned(t) => Some(t),
-                    Local::Borrowed(_) => None,
-                })
+                .filter_map(Local::into_returned)
                 .collect();
             return Err(Rejected { error, returned });
         }
+
+        // 3.
+        let locals: SmallVec<[Local<'_, R>; 2]> =
+            crate::small::collect(locals.drain(..).map(Local::into_local));
+
         // 4.
         let mut consumed: SmallVec<[FusionTensor<R>; 1]> = SmallVec::new();
         let mut read_only_owned: SmallVec<[FusionTensor<R>; 2]> = SmallVec::new();
         let outputs = self.inner.streams.register(body, |cell, state, body| {
-            for (local, ir) in locals.drain(..).zip(body.inputs()) {
+            for (local, ir) in locals.into_iter().zip(body.inputs()) {
                 let Local::Owned(mut tensor) = local else {
                     continue;
                 };
@@ -367,6 +420,11 @@ impl<R: StreamRuntime> FusionClient<R> {
         // 5.
         drop(read_only_owned);
         Ok(outputs)
+    }
+
+    /// The byte length of a tensor of `shape` and `dtype`, if this runtime could ever hold it.
+    pub(crate) fn check_size(&self, what: &str, shape: &Shape, dtype: DType) -> Result<usize> {
+        crate::size::tensor_bytes(what, shape, dtype, R::max_buffer_bytes(&self.inner.context))
     }
 
     /// The tensor for output `out`: a consumed operand's allocation when there is one (updated in

@@ -133,7 +133,8 @@ pub enum Error {
         /// The stream the existing session holds.
         stream: burn_backend::StreamId,
     },
-    /// A host buffer's size does not match the data.
+    /// A buffer's size does not match the data it should hold: a pinned buffer given to a
+    /// download, or a device buffer registered for a tensor of another shape.
     #[error("buffer of {found} bytes, {expected} needed")]
     BufferSize {
         /// Bytes the data needs.
@@ -144,6 +145,26 @@ pub enum Error {
     /// The runtime reported an error outside of a kernel (allocation, setup, teardown).
     #[error("runtime error: {0}")]
     Runtime(Arc<str>),
+    /// A size computed from the caller's input cannot be represented or exceeds what the runtime
+    /// can ever allocate (a shape whose element count overflows, a buffer longer than the
+    /// address space). Refused before anything was allocated or queued.
+    #[error("{what} is too large: {detail}")]
+    TooLarge {
+        /// What was being sized.
+        what: Arc<str>,
+        /// The sizes involved.
+        detail: String,
+    },
+    /// An allocation the runtime attempted failed. On the host runtime a kernel's output that
+    /// does not fit in memory is reported here (recorded on the tensor, like any device failure),
+    /// never by aborting the process.
+    #[error("out of memory: could not allocate {bytes} bytes for {what}")]
+    OutOfMemory {
+        /// What the memory was for.
+        what: Arc<str>,
+        /// Bytes requested.
+        bytes: usize,
+    },
 }
 
 impl Error {

@@ -56,6 +56,7 @@ mod loom;
 mod operation;
 mod ops;
 pub mod runtime;
+mod size;
 mod small;
 mod stream;
 mod tensor;

@@ -138,10 +138,16 @@ impl<R: StreamRuntime> FusionTensor<R> {
 
     /// A shared view of this tensor on the current stream (see [`crate::MultiStream`]).
     pub(crate) fn share(&self) -> Self {
+        self.share_as(crate::id::fresh_tensor_id())
+    }
+
+    /// A shared view of this tensor on the current stream, under the fresh id `id` (reserved by
+    /// the caller, which may have recorded it in an operation's IR already).
+    pub(crate) fn share_as(&self, id: TensorId) -> Self {
         let client = &self.inner.client;
-        let (id, home) = client
+        let home = client
             .streams()
-            .tag_shared_view(&self.inner.home, self.inner.id);
+            .tag_shared_view(&self.inner.home, self.inner.id, id);
         Self::new(
             id,
             self.inner.shape.clone(),
@@ -165,9 +171,29 @@ impl<R: StreamRuntime> FusionTensor<R> {
     /// A second owner of the tensor's backend handle, once its producer has run (the home
     /// stream is drained if needed), for interoperating with backend code.
     ///
-    /// The handle makes the buffer ineligible for in-place reuse while it lives. The device may
-    /// still be writing it: order any access after the producer on the device side.
-    pub fn handle(&self) -> Result<R::FusionHandle> {
+    /// The handle makes the buffer ineligible for in-place reuse while it lives.
+    ///
+    /// # Safety
+    ///
+    /// The handle reaches the buffer outside the engine's bookkeeping, and a backend handle (a
+    /// cubecl `Handle` on CUDA) can be passed to kernels that write it. The caller must:
+    ///
+    /// 1. never write the buffer through the handle: it may be aliased by views on other streams,
+    ///    read by operations still pending, or published — and a
+    ///    [`crate::transfer::SourcePublication`] promises that its bytes no longer change;
+    /// 2. order every device access after the tensor's producer (the device may still be writing
+    ///    the buffer when this returns).
+    ///
+    /// Reading the tensor needs none of this: use [`FusionTensor::read`].
+    ///
+    /// ```compile_fail,E0133
+    /// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+    /// # use burn_backend::TensorData;
+    /// # let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+    /// let x = client.from_data(TensorData::new(vec![1.0f32], [1])).unwrap();
+    /// let handle = x.handle(); // a writable handle needs `unsafe`
+    /// ```
+    pub unsafe fn handle(&self) -> Result<R::FusionHandle> {
         let inner = &self.inner;
         match inner.client.streams().read_entry(&inner.home, inner.id)? {
             crate::stream::Entry::Handle(handle) => Ok(handle),

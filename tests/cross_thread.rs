@@ -15,7 +15,10 @@ fn clone_of_pending_source_drains_then_aliases() {
     let main = StreamId::current();
     let x = f32s(&c, &[1.0, 2.0, 3.0]);
     let y = x.scale(2.0).unwrap();
-    assert!(!c.streams().holds(main, y.id()), "y is still pending");
+    assert!(
+        !c.streams().holds(main, y.id()).unwrap(),
+        "y is still pending"
+    );
 
     let peer = Peer::spawn();
     let peer_stream = peer.stream();
@@ -25,11 +28,11 @@ fn clone_of_pending_source_drains_then_aliases() {
     assert_ne!(view.id(), y.id(), "a view is a fresh id");
     assert_eq!(view.stream(), peer_stream, "homed on the receiving stream");
     assert!(
-        c.streams().holds(main, y.id()),
+        c.streams().holds(main, y.id()).unwrap(),
         "source materialised by the drain"
     );
     assert!(
-        c.streams().holds(peer_stream, view.id()),
+        c.streams().holds(peer_stream, view.id()).unwrap(),
         "alias registered"
     );
     let s = c.stats();
@@ -162,20 +165,27 @@ fn foreign_drop_of_a_tensor_still_read_by_a_pending_op_is_deferred() {
     let x = f32s(&c, &[1.0, 2.0]);
     let y = x.scale(3.0).unwrap(); // pending, reads x
     let x_id = x.id();
-    let queued = c.streams().pending(main);
+    let queued = c.streams().pending(main).unwrap();
 
     let peer = Peer::spawn();
     peer.run(move || drop(x));
     let s = c.stats();
     assert_eq!((s.foreign_drops, s.deferred_frees), (1, 1));
     assert!(
-        c.streams().holds(main, x_id),
+        c.streams().holds(main, x_id).unwrap(),
         "x is still needed by the pending op"
     );
-    assert_eq!(c.streams().pending(main), queued, "home queue untouched");
+    assert_eq!(
+        c.streams().pending(main).unwrap(),
+        queued,
+        "home queue untouched"
+    );
 
     assert_eq!(values(&y), vec![3.0, 6.0]);
-    assert!(!c.streams().holds(main, x_id), "freed once the reader ran");
+    assert!(
+        !c.streams().holds(main, x_id).unwrap(),
+        "freed once the reader ran"
+    );
     assert_eq!(c.stats().deferred_frees_pending, 0);
 }
 
@@ -216,7 +226,7 @@ fn consumed_foreign_operand_releases_the_original() {
             .unwrap()
     });
     assert!(
-        !c.streams().holds(main, x_id),
+        !c.streams().holds(main, x_id).unwrap(),
         "original freed by the foreign drop"
     );
     let got = values(&z);
@@ -336,8 +346,8 @@ fn consuming_read_on_a_foreign_thread_waits_for_pending_readers() {
 
 /// Regression (found on the H200): a thread's exit drain ran its queued operations on the exiting
 /// thread, while its thread-locals were being destroyed — cubecl's were already gone, and the
-/// queued matmul panicked. Exit drains now run on the exit-drain thread, and `join` still returns
-/// only after them.
+/// queued matmul panicked. Exit drains now run on the engine's service thread, and `join` still
+/// returns only after them.
 #[test]
 fn exit_drain_runs_on_a_live_thread_before_join_returns() {
     let c = client();
@@ -370,8 +380,8 @@ fn exit_drain_runs_on_a_live_thread_before_join_returns() {
         .unwrap();
     assert_eq!(
         ran_on.lock().unwrap().as_deref(),
-        Some("fusion-streams-exit-drain"),
-        "the queued op ran before join returned, on the exit-drain thread"
+        Some("fusion-streams-service"),
+        "the queued op ran before join returned, on the service thread"
     );
     assert_eq!(values(&out), vec![1.0]);
 }

@@ -3,8 +3,8 @@
 //! burn-fusion 0.21's [`FusionRuntime`] names the handle and device types but has no way to
 //! allocate, read, alias or synchronise; its operations are infallible. [`StreamRuntime`] adds
 //! exactly those capabilities, so the engine stays generic: the embedded [`host::HostRuntime`]
-//! (an asynchronous CPU device, the default), and a CUDA runtime behind the `cuda` feature in a
-//! later release, implement it.
+//! (an asynchronous CPU device, the default) and the CUDA runtime behind the `cuda` feature
+//! implement it.
 
 use burn_backend::{DType, Shape, TensorData};
 use burn_fusion::FusionRuntime;
@@ -73,7 +73,12 @@ pub struct KernelInput<'a, H> {
 /// Whether a kernel may write its output over its first input's buffer: that input was handed
 /// over as the last reference to its id (`ReadWrite`), has the output's dtype and shape, and its
 /// buffer has no other owner ([`StreamRuntime::can_mut`] — false while a view aliases it, or an
-/// in-flight kernel still reads it). The one in-place rule every runtime applies.
+/// in-flight kernel still reads it).
+///
+/// This is necessary, not sufficient: a runtime that writes in place must also keep every later
+/// reader, on any stream, ordered after that write. The host runtime does (each write carries its
+/// own completion marker); the CUDA runtime adds that the buffer was allocated on the current
+/// stream, since cubecl 0.10 orders other streams after a buffer's allocating stream only.
 pub fn first_input_reusable<R: StreamRuntime>(
     inputs: &KernelInputs<'_, R::FusionHandle>,
     out: &TensorIr,
@@ -98,8 +103,9 @@ pub type KernelInputs<'a, H> = smallvec::SmallVec<[KernelInput<'a, H>; 2]>;
 /// * [`StreamRuntime::can_mut`] is `false` while more than one owner exists (this is what makes an
 ///   aliased buffer ineligible for in-place reuse).
 /// * `launch` and `upload` *dispatch*: they may return before the device has finished. The device
-///   must order a kernel after the last write of every buffer it reads, even when that write was
-///   dispatched on another stream, and must not reuse a buffer while an in-flight kernel reads it.
+///   must order a kernel (and a read) after the last write of every buffer it reads, even when
+///   that write was dispatched on another stream — an in-place write included — and must not
+///   reuse a buffer while an in-flight kernel reads it.
 /// * `read` and `synchronize` may wait for the device; the engine never calls them while it holds
 ///   a lock.
 pub trait StreamRuntime: FusionRuntime {
@@ -111,6 +117,13 @@ pub trait StreamRuntime: FusionRuntime {
 
     /// Bring up the device. Called once per [`crate::FusionClient`].
     fn open(device: &Self::FusionDevice) -> Result<Self::Context>;
+
+    /// The largest buffer this runtime can ever allocate, in bytes. Operations whose outputs
+    /// would be larger are refused when they are registered ([`crate::Error::TooLarge`]); an
+    /// allocation below this bound may still fail at run time (reported on the tensor).
+    fn max_buffer_bytes(_context: &Self::Context) -> usize {
+        crate::size::MAX_ALLOCATION
+    }
 
     /// Copy host data into a new device buffer.
     fn upload(ctx: &Self::Context, data: &TensorData) -> Result<Self::FusionHandle>;

@@ -7,7 +7,6 @@
 //! target stream's inbox instead of taking its lock.
 
 use std::cell::Cell;
-use std::sync::Arc;
 
 use burn_backend::StreamId;
 use burn_ir::TensorId;
@@ -61,14 +60,17 @@ pub(crate) type StreamGuard<'a, R> = InboxGuard<'a, StreamState<R>>;
 /// A stream: its state behind a lock, plus an inbox.
 pub(crate) struct StreamCell<R: StreamRuntime> {
     pub(crate) id: StreamId,
+    /// Its state's serial (see `StreamState::serial`).
+    pub(crate) serial: u64,
     state: InboxLock<StreamState<R>>,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
-    pub(crate) fn new(id: StreamId, max_queue_len: usize, context: Arc<R::Context>) -> Self {
+    pub(crate) fn new(state: StreamState<R>) -> Self {
         Self {
-            id,
-            state: InboxLock::new(StreamState::new(id, max_queue_len, context)),
+            id: state.id,
+            serial: state.serial,
+            state: InboxLock::new(state),
         }
     }
 
@@ -76,6 +78,12 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// check [`in_engine`] first).
     pub(crate) fn lock(&self) -> StreamGuard<'_, R> {
         self.state.lock()
+    }
+
+    /// Take the stream's lock if it is free (inspection from inside the engine, which must never
+    /// wait for a stream lock).
+    pub(crate) fn try_lock(&self) -> Option<StreamGuard<'_, R>> {
+        self.state.try_lock()
     }
 
     /// Hand `message` to this stream without blocking; see [`super::inbox`].

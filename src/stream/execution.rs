@@ -13,13 +13,17 @@
 //! 4. **Consumption.** Inputs used `ReadWrite` were the last live reference to their id; whatever
 //!    happened, their handle or error record is removed afterwards, so nothing leaks when an
 //!    executor fails before taking them.
+//! 5. **Disposal.** The operation itself (an executor and whatever it captured) is dropped inside
+//!    the same scope, once it has run or been skipped. A destructor that panics is recorded on the
+//!    operation's outputs like a panic of the executor; it never escapes into whoever drained the
+//!    stream, and the operations queued behind it still run.
 //!
 //! Nothing is reported to the caller of `drain`: errors wait on the data for the read that needs
 //! it.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use burn_ir::TensorStatus;
+use burn_ir::{TensorIr, TensorStatus};
 
 use super::state::{QueuedOp, StreamState};
 use crate::Error;
@@ -38,7 +42,10 @@ impl<R: StreamRuntime> StreamState<R> {
                     match op {
                         QueuedOp::Drop(id) => self.free(id),
                         QueuedOp::Builtin(op) => self.execute_one(&op),
-                        QueuedOp::Op(op) => self.execute_one(&*op),
+                        QueuedOp::Op(op) => {
+                            self.execute_one(&*op);
+                            self.dispose(op);
+                        }
                     }
                 }
             });
@@ -57,14 +64,14 @@ impl<R: StreamRuntime> StreamState<R> {
 
         if let Some(error) = self.input_failure(op) {
             self.counters.ops_skipped += 1;
-            self.record_failure(op, error);
+            self.record_failure(op.outputs(), error);
             self.consume_inputs(op);
             return;
         }
 
         if let Some(error) = self.ssa_violation(op) {
             self.counters.ops_failed += 1;
-            self.record_failure(op, error);
+            self.record_failure(op.outputs(), error);
             self.consume_inputs(op);
             return;
         }
@@ -94,10 +101,29 @@ impl<R: StreamRuntime> StreamState<R> {
             Some(error) => {
                 self.counters.ops_failed += 1;
                 tracing::debug!(op = op.name(), stream = %self.id, %error, "operation failed");
-                self.record_failure(op, error);
+                self.record_failure(op.outputs(), error);
             }
         }
         self.consume_inputs(op);
+    }
+
+    /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
+    /// panic is recorded on the operation's outputs.
+    fn dispose(&mut self, op: super::state::PendingOp<R>) {
+        let name: Box<str> = op.name().into();
+        let outputs: smallvec::SmallVec<[TensorIr; 1]> = op.outputs().iter().cloned().collect();
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(op))) {
+            let error = match Error::from_panic(&name, payload) {
+                Error::OperationPanicked { op, message } => Error::OperationPanicked {
+                    op,
+                    message: format!("while dropping the executor: {message}").into(),
+                },
+                other => other,
+            };
+            self.counters.ops_failed += 1;
+            tracing::debug!(op = %name, stream = %self.id, %error, "executor destructor panicked");
+            self.record_failure(&outputs, error);
+        }
     }
 
     /// The error an input already carries, if any.
@@ -133,8 +159,8 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Replace whatever the outputs hold (a partial write) by the error record. This is the one
     /// place a registered handle may be overwritten, and only by an error record.
-    fn record_failure<B: OpBody<R> + ?Sized>(&mut self, op: &B, error: Error) {
-        for out in op.outputs() {
+    fn record_failure(&mut self, outputs: &[TensorIr], error: Error) {
+        for out in outputs {
             self.handles.remove_handle(out.id);
             self.errors.insert(out.id, error.clone());
         }
@@ -176,7 +202,13 @@ mod tests {
     fn an_output_id_that_already_has_a_handle_is_an_ssa_violation() {
         let ctx = Arc::new(HostRuntime::open(&Default::default()).unwrap());
         let upload = |v: f32| HostRuntime::upload(&ctx, &TensorData::new(vec![v], [1])).unwrap();
-        let mut state = StreamState::<HostRuntime>::new(StreamId::current(), 8, ctx.clone());
+        let mut state = StreamState::<HostRuntime>::new(
+            StreamId::current(),
+            0,
+            std::sync::Weak::new(),
+            crate::EngineConfig::default().with_max_queue_len(8),
+            ctx.clone(),
+        );
         let existing = crate::id::fresh_tensor_id();
         state.handles.register_handle(existing, upload(1.0));
         let out = burn_ir::TensorIr {

@@ -64,14 +64,16 @@ impl<S: Mailbox> InboxLock<S> {
         guard
     }
 
-    /// Take the lock if it is free.
+    /// Take the lock if it is free (applying what was posted).
     pub(crate) fn try_lock(&self) -> Option<InboxGuard<'_, S>> {
         let guard = self.state.try_lock()?;
         S::entered();
-        Some(InboxGuard {
+        let mut guard = InboxGuard {
             lock: self,
             guard: ManuallyDrop::new(guard),
-        })
+        };
+        self.apply(&mut guard.guard);
+        Some(guard)
     }
 
     /// Hand `message` over without blocking; see the module docs.

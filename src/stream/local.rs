@@ -1,4 +1,5 @@
-//! Per-thread helpers: a cache of the current stream, and the drain that runs when a thread exits.
+//! Per-thread helpers: a cache of the current stream, the list of streams to drain when the
+//! thread exits, and whether it is exiting.
 //!
 //! # Current-stream cache
 //!
@@ -11,30 +12,21 @@
 //!
 //! A thread may leave work queued on its stream and exit. Nothing would ever run that work, and
 //! frees deferred behind it would never happen. Each thread therefore remembers the streams it used
-//! and, when it exits, has them drained ([`ThreadExitHook`]); a stream left empty is retired from
-//! its engine.
+//! and, when it exits, has them drained ([`EngineHook::on_thread_exit`]); a stream left empty is
+//! retired from its engine. The exiting thread does not run that work itself: it hands each stream
+//! to the engine's service thread and waits (see [`super::service`]).
 //!
-//! The exiting thread does not run that work itself: it is in the middle of destroying its
-//! thread-locals, and a runtime may need its own (cubecl's are gone by then: running a queued
-//! matmul there panicked on the H200). It hands each stream to the process's exit-drain thread,
-//! started with the first engine, and waits until that thread has drained it — so a `join` on the
-//! exiting thread still returns only after its work ran. The hand-off uses parking_lot's mutex and
-//! condition variable, which fall back to stack-allocated thread data when the waiting thread's
-//! thread-locals are already destroyed.
+//! Thread-local destructors that run *after* this one may still use the engine. [`exiting`] is
+//! set from here on, and the engine routes whatever such a destructor does through the service
+//! thread as well (see `MultiStream::with_current`), so nothing it registers is stranded.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 
 use burn_backend::StreamId;
-use parking_lot::{Condvar, Mutex};
 
-/// Something to run when a thread that used `stream` exits.
-pub(crate) trait ThreadExitHook: Send + Sync {
-    fn on_thread_exit(&self, stream: StreamId);
-}
+use super::service::{self, EngineHook};
 
 struct Cached {
     engine: u64,
@@ -43,96 +35,17 @@ struct Cached {
 }
 
 /// (engine key, the engine, a stream this thread used on it).
-type ExitHook = (u64, Weak<dyn ThreadExitHook>, StreamId);
+type ExitHook = (u64, Weak<dyn EngineHook>, StreamId);
 
 struct ExitHooks(RefCell<Vec<ExitHook>>);
 
 impl Drop for ExitHooks {
     fn drop(&mut self) {
         EXITING.with(|exiting| exiting.set(true));
-        let Some(drainer) = DRAINER.get() else {
-            return;
-        };
         for (_, hook, stream) in self.0.get_mut().drain(..) {
-            let done = Arc::new(Latch::default());
-            drainer.push((hook, stream, done.clone()));
-            done.wait();
+            service::exit_drain(hook, stream);
         }
     }
-}
-
-/// A one-shot signal.
-#[derive(Default)]
-struct Latch {
-    open: Mutex<bool>,
-    opened: Condvar,
-}
-
-impl Latch {
-    fn open(&self) {
-        *self.open.lock() = true;
-        self.opened.notify_all();
-    }
-
-    fn wait(&self) {
-        let mut open = self.open.lock();
-        while !*open {
-            self.opened.wait(&mut open);
-        }
-    }
-}
-
-type ExitJob = (Weak<dyn ThreadExitHook>, StreamId, Arc<Latch>);
-
-/// The exit-drain thread's work queue.
-struct Drainer {
-    jobs: Mutex<VecDeque<ExitJob>>,
-    pending: Condvar,
-}
-
-impl Drainer {
-    fn push(&self, job: ExitJob) {
-        self.jobs.lock().push_back(job);
-        self.pending.notify_one();
-    }
-
-    fn run(&self) {
-        loop {
-            let (hook, stream, done) = {
-                let mut jobs = self.jobs.lock();
-                loop {
-                    if let Some(job) = jobs.pop_front() {
-                        break job;
-                    }
-                    self.pending.wait(&mut jobs);
-                }
-            };
-            if let Some(hook) = hook.upgrade() {
-                // Contained: a failing drain must not take the drain thread (or the waiting
-                // thread) down with it; the work's errors are recorded on its tensors anyway.
-                let _ = catch_unwind(AssertUnwindSafe(|| hook.on_thread_exit(stream)));
-            }
-            done.open();
-        }
-    }
-}
-
-static DRAINER: OnceLock<&'static Drainer> = OnceLock::new();
-
-/// Start the process's exit-drain thread (once; called when an engine is created, in an
-/// ordinary context where spawning a thread is safe).
-pub(crate) fn start_exit_drainer() {
-    DRAINER.get_or_init(|| {
-        let drainer: &'static Drainer = Box::leak(Box::new(Drainer {
-            jobs: Mutex::new(VecDeque::new()),
-            pending: Condvar::new(),
-        }));
-        std::thread::Builder::new()
-            .name("fusion-streams-exit-drain".into())
-            .spawn(move || drainer.run())
-            .expect("spawning the fusion-streams exit-drain thread");
-        drainer
-    });
 }
 
 /// Whether this thread has started exiting (its exit hooks are running): it must not execute
@@ -186,7 +99,7 @@ pub(crate) fn evict(engine: u64) {
 }
 
 /// Run `hook` for `stream` when this thread exits (once per engine and stream).
-pub(crate) fn on_exit(engine: u64, hook: Weak<dyn ThreadExitHook>, stream: StreamId) {
+pub(crate) fn on_exit(engine: u64, hook: Weak<dyn EngineHook>, stream: StreamId) {
     let _ = EXIT_HOOKS.try_with(|hooks| {
         let mut hooks = hooks.0.borrow_mut();
         // Forget hooks of engines that are gone, so a long-lived thread that uses many engines

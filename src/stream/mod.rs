@@ -4,17 +4,20 @@ mod cell;
 mod execution;
 pub(crate) mod inbox;
 mod local;
+mod service;
 mod state;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use burn_backend::StreamId;
 use burn_ir::TensorId;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
-pub(crate) use cell::{InboxMessage, StreamCell, in_engine};
+pub(crate) use cell::{InboxMessage, StreamCell, StreamGuard, in_engine};
+use service::EngineHook;
 pub(crate) use state::{Entry, IntoQueued, QueuedOp, StreamCounters, StreamState};
 
 use crate::operation::OpBody;
@@ -26,13 +29,21 @@ use crate::{Error, Result};
 #[non_exhaustive]
 pub struct EngineConfig {
     /// Queue length at which a stream executes what it has, without waiting for a read, a share
-    /// or a sync. Bounds the memory of pending work and the delay of deferred frees. At least 1.
+    /// or a sync. Bounds the memory of pending work. At least 1.
     pub max_queue_len: usize,
+    /// The longest a foreign drop's free may wait for the home stream's pending segment (which
+    /// still reads the dropped tensor) before the engine's service thread runs that segment
+    /// itself: the bound on how long an idle home thread can hold a dropped buffer, plus the
+    /// service thread's scheduling latency. Default 10 ms.
+    pub max_deferred_free_delay: Duration,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { max_queue_len: 32 }
+        Self {
+            max_queue_len: 32,
+            max_deferred_free_delay: Duration::from_millis(10),
+        }
     }
 }
 
@@ -40,6 +51,13 @@ impl EngineConfig {
     /// Settings with the given queue bound (clamped to at least 1).
     pub fn with_max_queue_len(mut self, max_queue_len: usize) -> Self {
         self.max_queue_len = max_queue_len.max(1);
+        self
+    }
+
+    /// Settings with the given bound on deferred frees (see
+    /// [`EngineConfig::max_deferred_free_delay`]).
+    pub fn with_max_deferred_free_delay(mut self, delay: Duration) -> Self {
+        self.max_deferred_free_delay = delay;
         self
     }
 }
@@ -90,6 +108,12 @@ pub struct EngineStats {
     pub deferred_frees: u64,
     /// Handles and error records released.
     pub frees: u64,
+    /// Pending segments the service thread ran because a deferred free reached
+    /// [`EngineConfig::max_deferred_free_delay`] with its home thread idle.
+    pub deferred_flushes: u64,
+    /// Streams left out of this snapshot because it was taken from inside an executing
+    /// operation while their lock was held (always 0 outside the engine).
+    pub streams_skipped: usize,
 }
 
 impl EngineStats {
@@ -107,6 +131,7 @@ impl EngineStats {
         self.foreign_drops += c.foreign_drops;
         self.deferred_frees += c.deferred_frees;
         self.frees += c.frees;
+        self.deferred_flushes += c.deferred_flushes;
     }
 
     /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.
@@ -130,6 +155,7 @@ pub enum Pending {
 }
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 
 /// Keep track of multiple concurrent lazy streams of operations.
 ///
@@ -163,11 +189,15 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 ///
 /// Each tensor frees its id on its own home stream. On the home thread the last drop enqueues a
 /// drop behind the pending operations (which may still read the id). From any other thread it is
-/// a *foreign drop*, which never touches the home queue: it frees at once when nothing is pending
-/// there, and otherwise defers the free until the pending segment has run. An original and its
-/// views are separate ids on separate streams, each freed by its own side; the buffer goes with
-/// the last one. A thread that exits drains the streams it used, so deferred frees and queued
-/// work never outlive it.
+/// a *foreign drop*, which never touches the home queue: it frees at once unless a pending
+/// operation there reads the id (or has yet to produce it), and otherwise defers the free until
+/// the pending segment has run — which the home thread does when it reads, syncs, shares, fills
+/// its queue or exits, and the engine's service thread does at the latest
+/// [`EngineConfig::max_deferred_free_delay`] after the drop, so an idle home thread cannot hold a
+/// dropped buffer. An original and its views are separate ids on separate streams, each freed by
+/// its own side; the buffer goes with the last one. A thread that exits drains the streams it
+/// used (on the service thread, as is anything a later thread-local destructor does with the
+/// engine), so deferred frees and queued work never outlive it.
 ///
 /// # Bounding `shared_sources`
 ///
@@ -218,12 +248,13 @@ pub struct MultiStream<R: StreamRuntime> {
 
 impl<R: StreamRuntime> MultiStream<R> {
     pub(crate) fn new(config: EngineConfig, context: Arc<R::Context>) -> Arc<Self> {
-        local::start_exit_drainer();
+        service::start();
         Arc::new_cyclic(|this| Self {
             key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             context,
             config: EngineConfig {
                 max_queue_len: config.max_queue_len.max(1),
+                ..config
             },
             streams: RwLock::new(HashMap::new()),
             retired: Mutex::new(StreamCounters::default()),
@@ -236,6 +267,10 @@ impl<R: StreamRuntime> MultiStream<R> {
         self.config
     }
 
+    fn hook(&self) -> Weak<dyn EngineHook> {
+        self.this.clone()
+    }
+
     /// The state of stream `id`, created on first use.
     fn cell(&self, id: StreamId) -> Arc<StreamCell<R>> {
         if let Some(cell) = self.streams.read().get(&id) {
@@ -245,11 +280,14 @@ impl<R: StreamRuntime> MultiStream<R> {
             .write()
             .entry(id)
             .or_insert_with(|| {
-                Arc::new(StreamCell::new(
+                let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+                Arc::new(StreamCell::new(StreamState::new(
                     id,
-                    self.config.max_queue_len,
+                    serial,
+                    self.this.clone(),
+                    self.config,
                     self.context.clone(),
-                ))
+                )))
             })
             .clone()
     }
@@ -262,13 +300,17 @@ impl<R: StreamRuntime> MultiStream<R> {
         }
         let cell = self.cell(id);
         local::cache(self.key, id, &cell);
-        let hook: Weak<dyn local::ThreadExitHook> = self.this.clone();
-        local::on_exit(self.key, hook, id);
+        local::on_exit(self.key, self.hook(), id);
         cell
     }
 
     /// Run `f` with the current stream locked. Retries with a fresh state if the cached one was
     /// retired in the meantime.
+    ///
+    /// On a thread that is exiting (a thread-local destructor running after the engine's exit
+    /// hook), whatever `f` did is handed to the service thread right after, exactly as the exit
+    /// hook hands the thread's streams over: queued work runs, and the stream is retired or
+    /// orphaned, so nothing is stranded on a stream whose thread is gone.
     fn with_current<T>(&self, f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T) -> T {
         loop {
             let cell = self.current();
@@ -278,8 +320,36 @@ impl<R: StreamRuntime> MultiStream<R> {
                 local::evict(self.key);
                 continue;
             }
-            return f(&cell, &mut state);
+            let out = f(&cell, &mut state);
+            drop(state);
+            if local::exiting() && !in_engine() {
+                service::exit_drain(self.hook(), cell.id);
+            }
+            return out;
         }
+    }
+
+    /// Lock `home` with `id` produced, draining `home` first if `id`'s producer is still queued.
+    /// Returns whether a drain ran.
+    ///
+    /// An exiting thread does not execute operations itself: the drain runs on the service
+    /// thread.
+    fn lock_materialised<'a>(
+        &self,
+        home: &'a Arc<StreamCell<R>>,
+        id: &TensorId,
+    ) -> (StreamGuard<'a, R>, bool) {
+        let mut state = home.lock();
+        if !local::exiting() {
+            let drained = state.materialise(id);
+            return (state, drained);
+        }
+        if state.is_materialised(id) || state.queue.is_empty() {
+            return (state, false);
+        }
+        drop(state);
+        service::drain(self.hook(), home.id);
+        (home.lock(), true)
     }
 
     /// Register an operation on the current stream.
@@ -325,6 +395,10 @@ impl<R: StreamRuntime> MultiStream<R> {
         if in_engine() {
             return;
         }
+        if local::exiting() {
+            service::drain(self.hook(), id);
+            return;
+        }
         let cell = self.streams.read().get(&id).cloned();
         if let Some(cell) = cell {
             cell.lock().drain();
@@ -337,39 +411,78 @@ impl<R: StreamRuntime> MultiStream<R> {
             return;
         }
         for cell in self.cells() {
-            cell.lock().drain();
+            if local::exiting() {
+                service::drain(self.hook(), cell.id);
+            } else {
+                cell.lock().drain();
+            }
         }
     }
 
-    /// The operations queued on stream `id`, in order (inspection and tests).
-    pub fn pending(&self, id: StreamId) -> Vec<Pending> {
+    /// Lock `cell` for inspection: from inside the engine only if the lock is free (the
+    /// executing thread holds at least one stream lock, and waiting for another could deadlock
+    /// with a thread that holds that one and waits for ours).
+    fn inspect(cell: &StreamCell<R>) -> Option<StreamGuard<'_, R>> {
+        if in_engine() {
+            cell.try_lock()
+        } else {
+            Some(cell.lock())
+        }
+    }
+
+    fn inspected<T>(
+        &self,
+        id: StreamId,
+        what: &'static str,
+        empty: T,
+        f: impl FnOnce(&StreamState<R>) -> T,
+    ) -> Result<T> {
         let Some(cell) = self.streams.read().get(&id).cloned() else {
-            return Vec::new();
+            return Ok(empty);
         };
-        let state = cell.lock();
-        state
-            .queue
-            .iter()
-            .map(|op| match op {
-                QueuedOp::Drop(id) => Pending::Drop(*id),
-                QueuedOp::Builtin(op) => Pending::Operation(Box::new(<_ as OpBody<R>>::repr(op))),
-                QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr())),
-            })
-            .collect()
+        let state = Self::inspect(&cell).ok_or(Error::Reentrant { what })?;
+        Ok(f(&state))
+    }
+
+    /// The operations queued on stream `id`, in order (inspection and tests).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Reentrant`] when called from inside an executing operation while `id`'s lock is
+    /// held (by this thread's own execution, or by another thread).
+    pub fn pending(&self, id: StreamId) -> Result<Vec<Pending>> {
+        self.inspected(id, "MultiStream::pending", Vec::new(), |state| {
+            state
+                .queue
+                .iter()
+                .map(|op| match op {
+                    QueuedOp::Drop(id) => Pending::Drop(*id),
+                    QueuedOp::Builtin(op) => {
+                        Pending::Operation(Box::new(<_ as OpBody<R>>::repr(op)))
+                    }
+                    QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr())),
+                })
+                .collect()
+        })
     }
 
     /// Whether stream `id`'s map holds a handle or an error record for `tensor`.
-    pub fn holds(&self, id: StreamId, tensor: TensorId) -> bool {
-        let cell = self.streams.read().get(&id).cloned();
-        cell.is_some_and(|cell| cell.lock().is_materialised(&tensor))
+    ///
+    /// # Errors
+    ///
+    /// As [`MultiStream::pending`].
+    pub fn holds(&self, id: StreamId, tensor: TensorId) -> Result<bool> {
+        self.inspected(id, "MultiStream::holds", false, |state| {
+            state.is_materialised(&tensor)
+        })
     }
 
     fn cells(&self) -> Vec<Arc<StreamCell<R>>> {
         self.streams.read().values().cloned().collect()
     }
 
-    /// Set up a cross-stream alias of `src`, whose home is `src_home`, on the current stream.
-    /// Returns the new id and its home.
+    /// Set up a cross-stream alias of `src`, whose home is `src_home`, under the fresh id `dst`
+    /// on the current stream. Returns `dst`'s home.
     ///
     /// Called when [`crate::FusionTensor`]'s `clone`, or an operation using it as an operand,
     /// finds that the tensor's home stream is not the current stream. In short:
@@ -378,14 +491,14 @@ impl<R: StreamRuntime> MultiStream<R> {
     ///   the drain on later shares of the same source by remembering it in `shared_sources`, or
     ///   by observing that the handle already exists (which covers a chained share, where `src`
     ///   is itself a view).
-    /// * Then alias the handle under a fresh id on the current stream: both ids share the buffer
-    ///   until each side is freed.
+    /// * Then alias the handle under `dst` on the current stream: both ids share the buffer until
+    ///   each side is freed.
     pub(crate) fn tag_shared_view(
         &self,
         src_home: &Arc<StreamCell<R>>,
         src: TensorId,
-    ) -> (TensorId, Arc<StreamCell<R>>) {
-        let dst = crate::id::fresh_tensor_id();
+        dst: TensorId,
+    ) -> Arc<StreamCell<R>> {
         if in_engine() {
             // Cloning inside an executor: the source stream may be the one we are executing.
             let current = self.current();
@@ -395,22 +508,22 @@ impl<R: StreamRuntime> MultiStream<R> {
                     what: "FusionTensor::clone",
                 }),
             ));
-            return (dst, current);
+            return current;
         }
 
         let entry = {
-            let mut source = src_home.lock();
+            let (mut source, drained) = self.lock_materialised(src_home, &src);
             source.counters.shares += 1;
-            if source.shared_sources.contains(&src) || source.is_materialised(&src) {
-                source.counters.share_fast_paths += 1;
-            } else if source.materialise(&src) {
+            if drained {
                 source.counters.share_drains += 1;
                 source.shared_sources.insert(src);
+            } else if source.is_materialised(&src) {
+                source.counters.share_fast_paths += 1;
             }
             source.entry(&src, "share")
         };
 
-        (dst, self.register_entry(dst, entry))
+        self.register_entry(dst, entry)
     }
 
     /// Read access to `id` on `home`: drains if its producer is pending, and returns a second
@@ -425,16 +538,14 @@ impl<R: StreamRuntime> MultiStream<R> {
                 what: "FusionTensor::read",
             });
         }
-        let mut state = home.lock();
-        state.materialise(&id);
+        let (state, _) = self.lock_materialised(home, &id);
         Ok(state.entry(&id, "read"))
     }
 
     /// Mark a tensor as read by its last live owner: drains if needed, returns a second owner of
     /// its handle for the read, and releases the id in the same critical section — exactly as its
-    /// last drop would (queued behind pending work on the home thread, a foreign drop elsewhere),
-    /// because operations still pending on the home stream may read it. Its `shared_sources`
-    /// entry goes at once.
+    /// last drop would (see `StreamState::release`), because operations still pending on the
+    /// home stream may read it. Its `shared_sources` entry goes at once.
     pub(crate) fn mark_read(
         &self,
         home: &Arc<StreamCell<R>>,
@@ -445,14 +556,9 @@ impl<R: StreamRuntime> MultiStream<R> {
                 what: "FusionTensor::into_data",
             });
         }
-        let mut state = home.lock();
-        state.materialise(&id);
+        let (mut state, _) = self.lock_materialised(home, &id);
         let entry = state.entry(&id, "read");
-        if StreamId::current() == home.id {
-            state.home_drop(id);
-        } else {
-            self.foreign_drop(home, &mut state, id);
-        }
+        state.release(id);
         Ok(entry)
     }
 
@@ -462,48 +568,35 @@ impl<R: StreamRuntime> MultiStream<R> {
             home.post(InboxMessage::Free(id));
             return;
         }
-        let mut state = home.lock();
-        if state.retired {
-            return;
-        }
-        // A home drop queues behind the stream's work; that needs a thread that will run it. An
-        // orphaned stream's thread is gone, and an exiting thread runs nothing any more: both
-        // free like a foreign thread does.
-        if StreamId::current() == home.id && !state.orphaned && !local::exiting() {
-            state.home_drop(id);
-        } else {
-            self.foreign_drop(home, &mut state, id);
-        }
+        home.lock().release(id);
     }
 
-    /// Free `id` from a thread other than its home's: never touches the home queue; frees now if
-    /// nothing is pending there, otherwise once the pending segment has run.
-    fn foreign_drop(&self, home: &Arc<StreamCell<R>>, state: &mut StreamState<R>, id: TensorId) {
-        state.foreign_drop(id);
-        self.retire_if_orphan_empty(home, state);
-    }
-
-    fn retire_if_orphan_empty(&self, cell: &Arc<StreamCell<R>>, state: &mut StreamState<R>) {
-        if state.orphaned && state.is_empty() {
-            self.retire(cell, state);
-        }
-    }
-
-    /// Remove an empty stream from the map. Lock order: stream, then map (never the reverse).
-    fn retire(&self, cell: &Arc<StreamCell<R>>, state: &mut StreamState<R>) {
+    /// Remove an empty stream's state from the map. Called under that stream's lock; lock order:
+    /// stream, then map (never the reverse).
+    pub(crate) fn retire(&self, state: &mut StreamState<R>) {
         state.retired = true;
         self.retired.lock().add(&state.counters);
         let mut streams = self.streams.write();
-        if streams.get(&cell.id).is_some_and(|c| Arc::ptr_eq(c, cell)) {
-            streams.remove(&cell.id);
+        if streams
+            .get(&state.id)
+            .is_some_and(|c| c.serial == state.serial)
+        {
+            streams.remove(&state.id);
         }
     }
 
     /// What the engine did and what it holds.
+    ///
+    /// Called from inside an executing operation, streams whose lock is held (the executing
+    /// stream among them) are not waited for: they are left out and counted in
+    /// [`EngineStats::streams_skipped`].
     pub fn stats(&self) -> EngineStats {
         let mut stats = EngineStats::default();
         for cell in self.cells() {
-            let state = cell.lock();
+            let Some(state) = Self::inspect(&cell) else {
+                stats.streams_skipped += 1;
+                continue;
+            };
             if state.retired {
                 continue;
             }
@@ -520,7 +613,7 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 }
 
-impl<R: StreamRuntime> local::ThreadExitHook for MultiStream<R> {
+impl<R: StreamRuntime> EngineHook for MultiStream<R> {
     fn on_thread_exit(&self, stream: StreamId) {
         let Some(cell) = self.streams.read().get(&stream).cloned() else {
             return;
@@ -530,11 +623,31 @@ impl<R: StreamRuntime> local::ThreadExitHook for MultiStream<R> {
             return;
         }
         state.drain();
-        if state.is_empty() {
-            self.retire(&cell, &mut state);
-        } else {
-            state.orphaned = true;
+        state.orphaned = true;
+        state.retire_if_orphan_empty();
+    }
+
+    fn drain_stream(&self, stream: StreamId) {
+        let Some(cell) = self.streams.read().get(&stream).cloned() else {
+            return;
+        };
+        let mut state = cell.lock();
+        state.drain();
+        state.retire_if_orphan_empty();
+    }
+
+    fn flush_deferred(&self, stream: StreamId) {
+        let Some(cell) = self.streams.read().get(&stream).cloned() else {
+            return;
+        };
+        let mut state = cell.lock();
+        state.flush_scheduled = false;
+        if state.retired || state.deferred_frees.is_empty() {
+            return;
         }
+        state.counters.deferred_flushes += 1;
+        state.drain();
+        state.retire_if_orphan_empty();
     }
 }
 

@@ -1,7 +1,8 @@
 //! The state of one stream: its lazy queue, the handles of the tensors it is home to, their error
 //! records, and the bookkeeping for shares and frees.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use burn_backend::StreamId;
 use burn_ir::{HandleContainer, TensorId};
@@ -57,6 +58,7 @@ pub(crate) struct StreamCounters {
     pub(crate) foreign_drops: u64,
     pub(crate) deferred_frees: u64,
     pub(crate) frees: u64,
+    pub(crate) deferred_flushes: u64,
 }
 
 impl StreamCounters {
@@ -74,16 +76,23 @@ impl StreamCounters {
         self.foreign_drops += other.foreign_drops;
         self.deferred_frees += other.deferred_frees;
         self.frees += other.frees;
+        self.deferred_flushes += other.deferred_flushes;
     }
 }
 
 /// Everything one stream owns. Only ever accessed under its [`super::cell::StreamCell`]'s lock.
 pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) id: StreamId,
+    /// Tells this state apart from a later state of the same stream id (after a retirement).
+    pub(crate) serial: u64,
+    /// The engine, for what a state cannot do alone: retiring itself from the engine's map, and
+    /// scheduling a deferred free's deadline on the service thread.
+    pub(crate) engine: Weak<super::MultiStream<R>>,
     /// The device, handed to each operation as it runs (one reference per stream rather than one
     /// per queued operation: the context's count is shared by every thread).
     pub(crate) context: Arc<R::Context>,
     pub(crate) max_queue_len: usize,
+    pub(crate) max_deferred_free_delay: Duration,
     pub(crate) queue: Vec<QueuedOp<R>>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
     pub(crate) handles: HandleContainer<R::FusionHandle>,
@@ -92,8 +101,11 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// Sources that needed a drain to be shared; see [`crate::MultiStream`], "Bounding
     /// `shared_sources`".
     pub(crate) shared_sources: HashSet<TensorId>,
-    /// Ids dropped from another thread while operations were pending here.
+    /// Ids dropped from another thread while a pending operation here still reads (or has yet
+    /// to produce) them.
     pub(crate) deferred_frees: Vec<TensorId>,
+    /// A deadline for the deferred frees is scheduled on the service thread.
+    pub(crate) flush_scheduled: bool,
     pub(crate) counters: StreamCounters,
     /// Set when the stream was removed from the engine's map (its thread exited and it became
     /// empty). A retired state is never used again; a later user of the id gets a fresh one.
@@ -104,16 +116,26 @@ pub(crate) struct StreamState<R: StreamRuntime> {
 }
 
 impl<R: StreamRuntime> StreamState<R> {
-    pub(crate) fn new(id: StreamId, max_queue_len: usize, context: Arc<R::Context>) -> Self {
+    pub(crate) fn new(
+        id: StreamId,
+        serial: u64,
+        engine: Weak<super::MultiStream<R>>,
+        config: crate::EngineConfig,
+        context: Arc<R::Context>,
+    ) -> Self {
         Self {
             id,
+            serial,
+            engine,
             context,
-            max_queue_len,
+            max_queue_len: config.max_queue_len,
+            max_deferred_free_delay: config.max_deferred_free_delay,
             queue: Vec::new(),
             handles: HandleContainer::new(),
             errors: HashMap::new(),
             shared_sources: HashSet::new(),
             deferred_frees: Vec::new(),
+            flush_scheduled: false,
             counters: StreamCounters::default(),
             retired: false,
             orphaned: false,
@@ -182,26 +204,73 @@ impl<R: StreamRuntime> StreamState<R> {
         self.enqueue(QueuedOp::Drop(id));
     }
 
+    /// The last live tensor of `id` went away: the one decision between a home drop and a
+    /// foreign drop, for drops and consuming reads alike.
+    ///
+    /// A home drop queues behind the stream's work, which needs a thread that will run it. An
+    /// orphaned stream's thread is gone, and an exiting thread runs nothing any more: both free
+    /// like a foreign thread does.
+    pub(crate) fn release(&mut self, id: TensorId) {
+        if self.retired {
+            return;
+        }
+        if StreamId::current() == self.id && !self.orphaned && !super::local::exiting() {
+            self.home_drop(id);
+        } else {
+            self.foreign_drop(id);
+        }
+    }
+
     /// A drop of `id`'s last live tensor from a thread that is not its home (or that cannot take
-    /// the home queue right now). Never touches the queue: frees at once when nothing is pending,
-    /// otherwise after the pending segment has run.
+    /// the home queue right now). Never touches the queue.
+    ///
+    /// Frees at once unless a pending operation reads `id` or has yet to produce it; then the free
+    /// waits for the pending segment, which runs when the home thread reads, syncs, shares, fills
+    /// its queue or exits — and at the latest `max_deferred_free_delay` after this drop, when the
+    /// engine's service thread runs it (see `service`).
     pub(crate) fn foreign_drop(&mut self, id: TensorId) {
         self.counters.foreign_drops += 1;
         self.shared_sources.remove(&id);
-        if self.queue.is_empty() {
+        if !self.queue_references(id) {
             self.free(id);
-        } else {
-            // Conservative: a pending operation may read (or still has to produce) `id`. The
-            // queue is bounded by `max_queue_len`, so the free waits at most that many ops.
-            self.counters.deferred_frees += 1;
-            self.deferred_frees.push(id);
+            self.retire_if_orphan_empty();
+            return;
+        }
+        self.counters.deferred_frees += 1;
+        self.deferred_frees.push(id);
+        if !self.flush_scheduled {
+            self.flush_scheduled = true;
+            let hook: Weak<dyn super::service::EngineHook> = self.engine.clone();
+            super::service::flush_at(Instant::now() + self.max_deferred_free_delay, hook, self.id);
+        }
+    }
+
+    /// Whether a queued operation reads `id` or produces it.
+    fn queue_references(&self, id: TensorId) -> bool {
+        fn names<R: StreamRuntime, B: OpBody<R> + ?Sized>(op: &B, id: TensorId) -> bool {
+            op.inputs().iter().chain(op.outputs()).any(|t| t.id == id)
+        }
+        self.queue.iter().any(|op| match op {
+            QueuedOp::Drop(_) => false,
+            QueuedOp::Builtin(op) => names::<R, _>(op, id),
+            QueuedOp::Op(op) => names::<R, _>(&**op, id),
+        })
+    }
+
+    /// Remove this stream from the engine once its thread is gone and nothing is left in it.
+    pub(crate) fn retire_if_orphan_empty(&mut self) {
+        if self.orphaned
+            && self.is_empty()
+            && let Some(engine) = self.engine.upgrade()
+        {
+            engine.retire(self);
         }
     }
 
     /// Add an operation; run the queue when it reaches its bound.
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
         self.queue.push(op);
-        // An exiting thread runs nothing (see `local`): its stream is drained by the exit-drain
+        // An exiting thread runs nothing (see `local`): its stream is drained by the service
         // thread instead.
         if self.queue.len() >= self.max_queue_len && !super::local::exiting() {
             self.counters.lazy_flushes += 1;

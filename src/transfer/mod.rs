@@ -18,9 +18,13 @@
 //! accessor of the value: a borrowed tensor carries no readiness, so a consumer on a third stream
 //! could read it before the producer finished; the copy is the honest route back.
 //!
-//! Dropping a publication or a download with work in flight never waits for it: the record goes to
-//! the runtime's [`RetirementQueue`]. A publication whose frontier failed goes to its permanent
-//! side. `mem::forget` leaks the record in place.
+//! Dropping a publication or a download with work in flight hands its record to the runtime's
+//! [`RetirementQueue`] instead of waiting for it. The one wait a drop can meet is the queue's
+//! backpressure: when its bounded side is full (256 records in flight on both runtimes), the drop
+//! waits for the *oldest* record's device work, which was submitted before it. A publication whose
+//! frontier failed goes to the permanent side and never waits. Dropping the last owner of the
+//! runtime (client, tensor, publication or download) waits for every stream of the device, then
+//! releases the queue. `mem::forget` leaks the record in place.
 //!
 //! ```
 //! use burn_backend::{DType, TensorData};

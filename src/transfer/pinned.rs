@@ -39,14 +39,17 @@ unsafe impl Sync for HostPages {}
 
 impl HostPages {
     fn new(len: usize) -> Result<Self> {
-        let size = len.div_ceil(PAGE) * PAGE;
-        let layout = Layout::from_size_align(size, PAGE)
-            .map_err(|e| Error::InvalidData(format!("pinned buffer of {len} bytes: {e}")))?;
-        // SAFETY: `layout` has a non-zero size (len > 0 is checked by the caller, and `size` is
-        // at least one page).
+        let size = crate::size::round_up("a pinned host buffer", len, PAGE)?;
+        let layout = Layout::from_size_align(size, PAGE).map_err(|e| Error::TooLarge {
+            what: "a pinned host buffer".into(),
+            detail: format!("{len} bytes: {e}"),
+        })?;
+        // SAFETY: `layout` has a non-zero size: len > 0 is checked by the caller, and `size` is
+        // `len` rounded up to a whole page without overflow.
         let ptr = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| {
-            Error::Runtime(format!("could not allocate a {len}-byte host buffer").into())
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::OutOfMemory {
+            what: "a pinned host buffer".into(),
+            bytes: size,
         })?;
         Ok(Self { ptr, layout, len })
     }
@@ -88,20 +91,22 @@ impl PinnedHostBuffer {
     /// runtime's own allocator ([`crate::transfer::TransferRuntime::alloc_pinned`]) may give
     /// memory its copies are faster into (page-locked memory on CUDA).
     ///
-    /// A zero length is rejected with [`Error::InvalidData`].
+    /// A zero length is rejected with [`Error::InvalidData`], a length no allocation can have
+    /// with [`Error::TooLarge`], and a failed allocation is [`Error::OutOfMemory`].
     pub fn new(len: usize) -> Result<Self> {
         Self::check_len(len)?;
         Ok(Self::from_memory(Arc::new(HostPages::new(len)?)))
     }
 
-    /// The length rule every allocator of pinned buffers applies: at least one byte.
+    /// The length rule every allocator of pinned buffers applies: at least one byte, and no more
+    /// than an allocation can have.
     pub(crate) fn check_len(len: usize) -> Result<()> {
         if len == 0 {
             return Err(Error::InvalidData(
                 "a pinned buffer needs at least one byte".into(),
             ));
         }
-        Ok(())
+        crate::size::round_up("a pinned host buffer", len, 1).map(drop)
     }
 
     pub(crate) fn from_memory(memory: Arc<dyn PinnedMemory>) -> Self {
@@ -135,7 +140,7 @@ impl PinnedHostBuffer {
     /// The bytes as burn [`TensorData`] of `shape` and `dtype` (copied).
     pub fn to_data(&self, shape: impl Into<Shape>, dtype: DType) -> Result<TensorData> {
         let shape = shape.into();
-        let expected = shape.num_elements() * dtype.size();
+        let expected = crate::size::tensor_bytes("pinned data", &shape, dtype, usize::MAX)?;
         if expected != self.len() {
             return Err(Error::BufferSize {
                 expected,

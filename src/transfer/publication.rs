@@ -212,8 +212,9 @@ impl<R: TransferRuntime> SourcePublication<R> {
 }
 
 impl<R: TransferRuntime> Drop for SourcePublication<R> {
-    /// Never waits. A publication whose frontier is still in flight detaches into the runtime's
-    /// retirement queue; a failed one goes to its permanent side.
+    /// A publication whose frontier is still in flight detaches into the runtime's retirement
+    /// queue; a failed one goes to its permanent side. Waits only when the queue's bounded side is
+    /// full, and then for the oldest record (see [`super::RetirementQueue`]).
     fn drop(&mut self) {
         let Some(mut record) = self.record.take() else {
             return;
@@ -271,7 +272,8 @@ struct DownloadRecord<R: TransferRuntime> {
 /// An asynchronous copy of a publication into a [`PinnedHostBuffer`].
 ///
 /// Holds the buffer, the retained allocation and the runtime pin until the copy completes.
-/// Dropping it early never waits: the record detaches into the runtime's retirement queue.
+/// Dropping it early detaches the record into the runtime's retirement queue; that waits only
+/// when the queue's bounded side is full, and then for the oldest record.
 pub struct PendingDownload<R: TransferRuntime> {
     record: Option<DownloadRecord<R>>,
 }

@@ -13,14 +13,18 @@ use fusion_streams::{EngineConfig, FusionClient, FusionTensor};
 pub type Client = FusionClient<HostRuntime>;
 pub type Tensor = FusionTensor<HostRuntime>;
 
-/// A fresh engine on a host device, with a queue bound large enough that nothing executes
-/// unless a test asks for it.
+/// Settings under which nothing executes unless a test asks for it: a queue bound no test
+/// reaches, and deferred frees that wait for their reader however long the test takes (the
+/// service thread's deadline is tested on its own).
+pub fn lazy_config() -> EngineConfig {
+    EngineConfig::default()
+        .with_max_queue_len(1024)
+        .with_max_deferred_free_delay(std::time::Duration::from_secs(3600))
+}
+
+/// A fresh engine on a host device, with [`lazy_config`].
 pub fn client() -> Client {
-    FusionClient::with_config(
-        HostDevice::default(),
-        EngineConfig::default().with_max_queue_len(1024),
-    )
-    .expect("host device")
+    FusionClient::with_config(HostDevice::default(), lazy_config()).expect("host device")
 }
 
 /// A 1-d f32 tensor on any runtime.

@@ -57,8 +57,24 @@ fn kernel_error(kernel: &Kernel, message: impl Into<String>) -> Error {
     }
 }
 
-fn zip_with<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> Vec<T> {
-    a.iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
+/// A kernel's output buffer, allocated fallibly: a shape too large for memory is a kernel
+/// failure on the tensor ([`Error::OutOfMemory`]), never a process abort.
+fn output<T>(kernel: &Kernel, values: impl ExactSizeIterator<Item = T>) -> Result<Vec<T>> {
+    let mut out = crate::size::try_vec(kernel.name(), values.len())?;
+    out.extend(values);
+    Ok(out)
+}
+
+fn zip_with<T: Copy>(kernel: &Kernel, a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> Result<Vec<T>> {
+    output(kernel, a.iter().zip(b).map(|(x, y)| f(*x, *y)))
+}
+
+fn map<T: Copy>(kernel: &Kernel, a: &[T], f: impl Fn(T) -> T) -> Result<Vec<T>> {
+    output(kernel, a.iter().map(|x| f(*x)))
+}
+
+fn filled<T: Copy>(kernel: &Kernel, len: usize, value: T) -> Result<Vec<T>> {
+    output(kernel, std::iter::repeat_n(value, len))
 }
 
 /// Compute `kernel` over `inputs` into a new buffer of `out_shape`.
@@ -70,19 +86,20 @@ pub(crate) fn compute(
 ) -> Result<HostData> {
     use HostData::{F32, I32};
     let out = match (kernel, inputs) {
-        (Kernel::Add, [F32(a), F32(b)]) => F32(zip_with(a, b, |x, y| x + y)),
-        (Kernel::Add, [I32(a), I32(b)]) => I32(zip_with(a, b, i32::wrapping_add)),
-        (Kernel::Mul, [F32(a), F32(b)]) => F32(zip_with(a, b, |x, y| x * y)),
-        (Kernel::Mul, [I32(a), I32(b)]) => I32(zip_with(a, b, i32::wrapping_mul)),
-        (Kernel::Scale(f), [F32(a)]) => F32(a.iter().map(|x| x * *f as f32).collect()),
-        (Kernel::Exp, [F32(a)]) => F32(a.iter().map(|x| x.exp()).collect()),
+        (Kernel::Add, [F32(a), F32(b)]) => F32(zip_with(kernel, a, b, |x, y| x + y)?),
+        (Kernel::Add, [I32(a), I32(b)]) => I32(zip_with(kernel, a, b, i32::wrapping_add)?),
+        (Kernel::Mul, [F32(a), F32(b)]) => F32(zip_with(kernel, a, b, |x, y| x * y)?),
+        (Kernel::Mul, [I32(a), I32(b)]) => I32(zip_with(kernel, a, b, i32::wrapping_mul)?),
+        (Kernel::Scale(f), [F32(a)]) => F32(map(kernel, a, |x| x * *f as f32)?),
+        (Kernel::Exp, [F32(a)]) => F32(map(kernel, a, f32::exp)?),
         // Sequential, in element order and in f32: the order the CUDA kernel uses.
         (Kernel::Sum, [F32(a)]) => F32(vec![a.iter().fold(0.0f32, |s, x| s + x)]),
         (Kernel::Sum, [I32(a)]) => I32(vec![a.iter().fold(0i32, |s, x| s.wrapping_add(*x))]),
         (Kernel::Matmul, [F32(a), F32(b)]) => {
             let (m, n) = (out_shape[0], out_shape[1]);
             let k = a.len().checked_div(m).unwrap_or(0);
-            let mut c = vec![0.0f32; m * n];
+            // `m * n` is the output's element count, checked when the operation was registered.
+            let mut c = filled(kernel, m * n, 0.0f32)?;
             for i in 0..m {
                 for p in 0..k {
                     let x = a[i * k + p];
@@ -95,8 +112,8 @@ pub(crate) fn compute(
             F32(c)
         }
         (Kernel::Fill(v), []) => match out_dtype {
-            DType::F32 => F32(vec![*v as f32; out_shape.num_elements()]),
-            DType::I32 => I32(vec![*v as i32; out_shape.num_elements()]),
+            DType::F32 => F32(filled(kernel, out_shape.num_elements(), *v as f32)?),
+            DType::I32 => I32(filled(kernel, out_shape.num_elements(), *v as i32)?),
             other => return Err(kernel_error(kernel, format!("unsupported dtype {other:?}"))),
         },
         (Kernel::FailOnDevice, [_]) => {

@@ -328,9 +328,23 @@ impl StreamRuntime for HostRuntime {
     ) -> Result<TensorData> {
         handle.written.wait()?;
         let data = handle.storage.data.read();
+        // The buffer may come from a custom executor: check it really holds the tensor before
+        // handing it to `TensorData`, which panics on a length mismatch.
+        let expected = shape.num_elements();
+        if data.len() != expected {
+            return Err(Error::BufferSize {
+                expected: expected * dtype.size(),
+                found: data.len() * data.dtype().map_or(0, |d| d.size()),
+            });
+        }
+        fn copy<T: Copy>(v: &[T]) -> Result<Vec<T>> {
+            let mut out = crate::size::try_vec("a read", v.len())?;
+            out.extend_from_slice(v);
+            Ok(out)
+        }
         match (&*data, dtype) {
-            (HostData::F32(v), DType::F32) => Ok(TensorData::new(v.clone(), shape.clone())),
-            (HostData::I32(v), DType::I32) => Ok(TensorData::new(v.clone(), shape.clone())),
+            (HostData::F32(v), DType::F32) => Ok(TensorData::new(copy(v)?, shape.clone())),
+            (HostData::I32(v), DType::I32) => Ok(TensorData::new(copy(v)?, shape.clone())),
             (other, _) => Err(Error::Runtime(
                 format!("buffer holds {:?}, read as {dtype:?}", other.dtype()).into(),
             )),
