@@ -100,12 +100,15 @@ mod gpu {
                 ))
                 .unwrap();
             client.sync().unwrap();
-            let handle = value.handle().unwrap();
+            // SAFETY: the raw baseline only reads the buffer (a device-to-host copy), after the
+            // sync above has finished its producer.
+            let handle = unsafe { value.handle() }.unwrap();
+            // SAFETY: as above: the baselines only read the buffer.
+            let cubecl_handle = unsafe { handle.cubecl() }.clone();
             let cubecl = client.context().client();
             let resource = handle
-                .cubecl()
-                .stream
-                .executes(|| cubecl.get_resource(handle.cubecl().clone()))
+                .stream()
+                .executes(|| cubecl.get_resource(cubecl_handle.clone()))
                 .unwrap();
             let device_ptr = resource.resource().ptr;
             group.throughput(Throughput::Bytes(bytes as u64));
@@ -166,7 +169,7 @@ mod gpu {
                 b.iter_custom(|iters| {
                     let start = Instant::now();
                     for _ in 0..iters {
-                        let bytes = cubecl.read_one(handle.cubecl().clone()).unwrap();
+                        let bytes = cubecl.read_one(cubecl_handle.clone()).unwrap();
                         std::hint::black_box(bytes);
                     }
                     let t = start.elapsed();

@@ -8,26 +8,22 @@ mod suite;
 use std::time::Instant;
 
 use common::Peer;
+use fusion_streams::FusionClient;
 use fusion_streams::runtime::cuda::{CudaDevice, CudaRuntime};
-use fusion_streams::{EngineConfig, FusionClient};
 use suite::{matrix, settle, values};
 
 const GPU: &str = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine";
 
 fn client() -> FusionClient<CudaRuntime> {
-    FusionClient::with_config(
-        CudaDevice::new(0),
-        EngineConfig::default().with_max_queue_len(1024),
-    )
-    .expect("CUDA device 0")
+    FusionClient::with_config(CudaDevice::new(0), common::lazy_config()).expect("CUDA device 0")
 }
 
 macro_rules! on_gpu {
-    ($($name:ident($arg:expr);)*) => {$(
+    ($($name:ident($($arg:expr),*);)*) => {$(
         #[test]
         #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
         fn $name() {
-            suite::$name($arg);
+            suite::$name($($arg),*);
         }
     )*};
 }
@@ -42,6 +38,16 @@ on_gpu! {
     errors_travel_across_threads(&client());
     in_place_is_refused_while_an_alias_lives(&client());
     nothing_leaks_after_cross_thread_work(&client());
+}
+
+/// 64 Mi f32 (256 MiB): each kernel of a chain takes long enough that a reader that is not
+/// ordered after the chain sees it half done.
+const LARGE: usize = 1 << 26;
+
+on_gpu! {
+    a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(&client(), LARGE);
+    a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(&client(), LARGE);
+    a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(&client(), LARGE);
 }
 
 /// A share from thread B drains stream A: A's queued work must still run on A's cubecl stream
@@ -61,13 +67,15 @@ fn a_drain_from_another_thread_runs_on_the_source_stream() {
         view.scale(3.0).unwrap()
     });
     assert_eq!(
-        y.handle().unwrap().cubecl().stream,
+        // SAFETY: only the handle's allocating stream is inspected.
+        unsafe { y.handle() }.unwrap().stream(),
         main,
         "y was produced on main's stream"
     );
     let z_stream = peer.run({
         let z = z.clone();
-        move || z.clone().handle().unwrap().cubecl().stream
+        // SAFETY: as above.
+        move || unsafe { z.clone().handle() }.unwrap().stream()
     });
     assert_eq!(z_stream, peer_stream, "z was produced on the peer's stream");
     assert_eq!(values(&z), vec![6.0, 12.0]);

@@ -50,3 +50,24 @@ fn in_place_is_refused_while_an_alias_lives() {
 fn nothing_leaks_after_cross_thread_work() {
     suite::nothing_leaks_after_cross_thread_work(&client());
 }
+
+#[test]
+fn a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream() {
+    suite::a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(&client(), 1 << 16);
+}
+
+#[test]
+fn a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream() {
+    suite::a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(
+        &client(),
+        1 << 16,
+    );
+}
+
+#[test]
+fn a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier() {
+    suite::a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(
+        &client(),
+        1 << 16,
+    );
+}

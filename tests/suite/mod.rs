@@ -95,12 +95,12 @@ pub fn pending_share_drains_then_aliases<R: StreamRuntime>(c: &FusionClient<R>) 
     let main = StreamId::current();
     let x = f32s(c, &[1.0, 2.0, 3.0]);
     let y = x.scale(2.0).unwrap();
-    assert!(!c.streams().holds(main, y.id()));
+    assert!(!c.streams().holds(main, y.id()).unwrap());
     let peer = Peer::spawn();
     let y2 = y.clone();
     let view = peer.run(move || y2.clone());
     assert_ne!(view.id(), y.id());
-    assert!(c.streams().holds(main, y.id()), "drained");
+    assert!(c.streams().holds(main, y.id()).unwrap(), "drained");
     let s = c.stats();
     assert_eq!((s.shares, s.share_drains), (1, 1));
     let got = peer.run(move || values(&view.scale(1.0).unwrap()));
@@ -197,9 +197,9 @@ pub fn foreign_drop_under_a_pending_reader_is_deferred<R: StreamRuntime>(c: &Fus
     let peer = Peer::spawn();
     peer.run(move || drop(x));
     assert_eq!(c.stats().deferred_frees, 1);
-    assert!(c.streams().holds(main, x_id));
+    assert!(c.streams().holds(main, x_id).unwrap());
     assert_eq!(values(&y), vec![3.0, 6.0]);
-    assert!(!c.streams().holds(main, x_id));
+    assert!(!c.streams().holds(main, x_id).unwrap());
 }
 
 pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
@@ -264,4 +264,108 @@ pub fn nothing_leaks_after_cross_thread_work<R: StreamRuntime>(c: &FusionClient<
     drop(peers);
     settle(c);
     assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+}
+
+/// Doublings per chain: 2^24 is exact in f32, and every partial result (2^k, k < 24) differs.
+const CHAIN: usize = 24;
+
+/// `x` doubled `CHAIN` times by consuming operations: the shape of chain that runs in place.
+fn doubled_in_a_chain<R: StreamRuntime>(
+    c: &FusionClient<R>,
+    x: FusionTensor<R>,
+) -> FusionTensor<R> {
+    let mut t = x;
+    for _ in 0..CHAIN {
+        t = c.launch(Kernel::Scale(2.0), [Operand::Consume(t)]).unwrap();
+    }
+    c.drain(); // dispatched, not waited for
+    t
+}
+
+fn all_equal(got: &[f32], want: f32, what: &str) {
+    let wrong = got.iter().filter(|v| **v != want).count();
+    assert_eq!(
+        wrong,
+        0,
+        "{what}: {wrong} of {} elements differ from {want} (first: {:?})",
+        got.len(),
+        got.iter().find(|v| **v != want)
+    );
+}
+
+/// A buffer created on stream A, moved to thread B and consumed there by a chain of kernels, then
+/// read on a third stream C at once: C must see the whole chain. (A guard of the same rule as the
+/// publication test below; on the H200 this read was ordered correctly even before the fix.)
+pub fn a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream<R: StreamRuntime>(
+    c: &FusionClient<R>,
+    n: usize,
+) {
+    let x = c.fill([n], 1.0, DType::F32).unwrap();
+    c.drain(); // allocated and written on A
+    let (b, reader) = (Peer::spawn(), Peer::spawn());
+    // The reader's stream has read before (on CUDA its first read allocates pinned staging, which
+    // takes long enough to hide a race).
+    let c3 = c.clone();
+    assert_eq!(reader.run(move || values(&f32s(&c3, &[1.0]))), vec![1.0]);
+    let c2 = c.clone();
+    let y = b.run(move || doubled_in_a_chain(&c2, x));
+    let got = reader.run(move || y.to_vec::<f32>().unwrap());
+    all_equal(&got, (1u64 << CHAIN) as f32, "read on a third stream");
+}
+
+/// The same chain, published from a session on the third stream: the frontier must cover the
+/// chain, so the download sees all of it. On cubecl 0.10 the frontier aligns with the buffer's
+/// *allocating* stream; before the fix the chain was written in place on B into A's buffer, and
+/// on an H200 the download saw 62 of 64 Mi elements half done (`docs/gpu/prefix-in-place-chain.log`).
+pub fn a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream<R>(
+    c: &FusionClient<R>,
+    n: usize,
+) where
+    R: fusion_streams::transfer::TransferRuntime,
+{
+    use fusion_streams::transfer::HeldSession;
+    let x = c.fill([n], 1.0, DType::F32).unwrap();
+    c.drain();
+    let (b, publisher) = (Peer::spawn(), Peer::spawn());
+    let c2 = c.clone();
+    let y = b.run(move || doubled_in_a_chain(&c2, x));
+    let c3 = c.clone();
+    let got = publisher.run(move || {
+        let mut session = HeldSession::open(&c3).unwrap();
+        // SAFETY: produced by this crate's operations (the contract of `publish`).
+        let publication = unsafe { session.publish(y) }.unwrap();
+        let buffer = R::alloc_pinned(c3.context(), publication.bytes()).unwrap();
+        let buffer = publication.download_into(buffer).unwrap().wait().unwrap();
+        crate::common::buffer_f32s(&buffer)
+    });
+    all_equal(&got, (1u64 << CHAIN) as f32, "download on a third stream");
+}
+
+/// A chain consumed in place on the stream that allocated the buffer, after another stream C has
+/// already synchronised with that stream (it read a newer buffer of it): a kernel on C reading
+/// the chain's result must still see all of it. This is the in-place write the CUDA runtime keeps;
+/// the test guards that cubecl orders C after it (it passed on the H200 before and after the fix).
+pub fn a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier<
+    R: StreamRuntime,
+>(
+    c: &FusionClient<R>,
+    n: usize,
+) {
+    let x = c.fill([n], 1.0, DType::F32).unwrap();
+    c.drain(); // x allocated on A
+    let newer = c.fill([4], 3.0, DType::F32).unwrap();
+    c.drain(); // allocated on A after x
+    let reader = Peer::spawn();
+    let seen = reader.run(move || newer.to_vec::<f32>().unwrap()); // C syncs with A here
+    assert_eq!(seen, vec![3.0; 4]);
+    let y = doubled_in_a_chain(c, x); // on A, into x's buffer if written in place
+    let got = reader.run(move || {
+        let on_c = y.clone().scale(1.0).unwrap(); // a kernel on C reading the chain's result
+        on_c.to_vec::<f32>().unwrap()
+    });
+    all_equal(
+        &got,
+        (1u64 << CHAIN) as f32,
+        "a kernel on a stream that synced earlier",
+    );
 }

@@ -1,8 +1,19 @@
 //! [`CudaRuntime`]: the engine on an NVIDIA GPU, over cubecl-cuda 0.10 (feature `cuda`).
 //!
 //! * **Handles** are cubecl handles: reference-counted device allocations. `alias` is a handle
-//!   clone, and cubecl's `can_mut` is false while two exist, so aliased buffers are never
-//!   written in place.
+//!   clone, and cubecl's `can_mut` is false while two exist.
+//! * **In place only on the allocating stream.** cubecl 0.10 orders another stream's access to a
+//!   buffer through the stream that *allocated* it (`Handle::stream`), not the stream that last
+//!   wrote it. A kernel may therefore write its handed-over input in place only when that input
+//!   was allocated on the current stream; a tensor moved to another thread gets a fresh output
+//!   buffer on its new stream instead. Without this rule a chain written in place on stream B into
+//!   a buffer allocated on A was invisible to a publication's frontier on a third stream, which
+//!   then downloaded it half done (reproduced on an H200: `tests/gpu.rs`, the `a_chain_on_*`
+//!   tests). With it, every buffer's writers are all on its allocating stream: what cubecl aligns
+//!   other streams with, and what a frontier covers.
+//! * **Reads** run on the buffer's allocating stream, ordered after its writers by stream order.
+//! * **Synchronisation** waits for every cubecl stream the context has dispatched to (recorded as
+//!   work is dispatched), not only the caller's.
 //! * **Streams.** Each engine stream runs on its own cubecl stream: the engine runs every
 //!   operation inside `StreamId::executes(stream)`, including when another thread drains the
 //!   stream to share one of its tensors, and cubecl selects its CUDA stream from
@@ -27,7 +38,7 @@ const RETIREMENT_CAPACITY: usize = 256;
 
 use std::fmt;
 
-use burn_backend::{DType, Shape, TensorData};
+use burn_backend::{DType, Shape, StreamId, TensorData};
 use burn_fusion::{FusionRuntime, OperationFuser};
 use burn_ir::TensorIr;
 use cubecl::Runtime;
@@ -51,8 +62,21 @@ pub struct CudaHandle {
 
 impl CudaHandle {
     /// The cubecl handle.
-    pub fn cubecl(&self) -> &Handle {
+    ///
+    /// # Safety
+    ///
+    /// cubecl's launch API writes any handle it is given as an output. The caller must not write
+    /// the buffer through the returned handle (it may be aliased by views on other streams, read
+    /// by pending operations, or published), and must order every access after the buffer's
+    /// producer on the device side. See [`crate::FusionTensor::handle`].
+    pub unsafe fn cubecl(&self) -> &Handle {
         &self.handle
+    }
+
+    /// The cubecl stream that allocated the buffer (cubecl orders other streams' accesses
+    /// against this one).
+    pub fn stream(&self) -> burn_backend::StreamId {
+        self.handle.stream
     }
 }
 
@@ -66,7 +90,16 @@ impl fmt::Debug for CudaHandle {
 }
 
 /// Per-client state of a CUDA device: its cubecl client, and the transfer machinery.
+///
+/// Dropping it (the last owner of the runtime: the last client, tensor or publication) first
+/// waits for every cubecl stream this context dispatched to, then for the transfer streams, and
+/// only then releases the retirement queue's records.
 pub struct CudaContext {
+    /// Tells contexts apart in the per-thread stream note (never reused, unlike an address).
+    id: u64,
+    /// The cubecl streams this context has dispatched work to: what `synchronize` and teardown
+    /// wait for.
+    streams: parking_lot::Mutex<hashbrown::HashSet<u64>>,
     device: CudaDevice,
     // Drop order: the transfer waiters finish their jobs and synchronise their copy streams
     // before the retirement queue releases its records and before the client goes.
@@ -75,7 +108,47 @@ pub struct CudaContext {
     client: CudaClient,
 }
 
+static NEXT_CONTEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+std::thread_local! {
+    /// The (context, stream) this thread last noted: a plain `Cell`, so noting costs one
+    /// thread-local read on the hot path.
+    static NOTED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
 impl CudaContext {
+    /// Remember that the current stream has work of this context.
+    fn note_stream(&self) {
+        let stream = StreamId::current().value;
+        if NOTED.with(std::cell::Cell::get) == (self.id, stream) {
+            return;
+        }
+        self.streams.lock().insert(stream);
+        NOTED.with(|noted| noted.set((self.id, stream)));
+    }
+
+    /// Wait for everything dispatched so far on every stream this context used: fences are
+    /// recorded on all of them first, then awaited, so the streams finish concurrently.
+    fn sync_streams(&self) -> Result<()> {
+        let streams: Vec<u64> = self.streams.lock().iter().copied().collect();
+        let fences = streams
+            .into_iter()
+            .map(|value| {
+                contained("synchronize", || {
+                    StreamId { value }.executes(|| self.client.sync())
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut outcome = Ok(());
+        // Every fence is awaited (an unpolled one leaks its event), the first failure reported.
+        for fence in fences {
+            let waited = contained("synchronize", || cubecl::future::block_on(fence))
+                .and_then(|r| r.map_err(|e| device_error("synchronize", e)));
+            outcome = outcome.and(waited);
+        }
+        outcome
+    }
+
     /// The device.
     pub fn device(&self) -> &CudaDevice {
         &self.device
@@ -84,6 +157,16 @@ impl CudaContext {
     /// The cubecl client.
     pub fn client(&self) -> &CudaClient {
         &self.client
+    }
+}
+
+impl Drop for CudaContext {
+    fn drop(&mut self) {
+        // Nothing can report an error from here; the streams are waited for all the same, so
+        // the claim "dropping the last owner synchronises the device" holds.
+        if let Err(error) = self.sync_streams() {
+            tracing::warn!(%error, "synchronising the CUDA streams at teardown failed");
+        }
     }
 }
 
@@ -173,6 +256,8 @@ impl StreamRuntime for CudaRuntime {
         let client = std::panic::catch_unwind(|| CubeCuda::client(device))
             .map_err(|_| Error::Runtime("could not open the CUDA device".into()))?;
         Ok(CudaContext {
+            id: NEXT_CONTEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            streams: Default::default(),
             device: device.clone(),
             transfer: Default::default(),
             retirement: crate::transfer::RetirementQueue::new(RETIREMENT_CAPACITY),
@@ -187,6 +272,7 @@ impl StreamRuntime for CudaRuntime {
                 dtype: data.dtype,
             });
         }
+        ctx.note_stream();
         let handle = if data.bytes.is_empty() {
             empty(&ctx.client, 0)
         } else {
@@ -201,10 +287,17 @@ impl StreamRuntime for CudaRuntime {
         shape: &Shape,
         dtype: DType,
     ) -> Result<TensorData> {
+        // On the stream that allocated the buffer: every write of it was dispatched there, so
+        // stream order puts the read after them, whatever cubecl's cross-stream alignment knows.
         // cubecl reports some device failures by panicking (on its server thread, or here):
         // either way the caller gets a typed error.
-        let bytes = contained("read", || ctx.client.read_one(handle.handle.clone()))?
-            .map_err(|e| device_error("read", e))?;
+        let bytes = contained("read", || {
+            handle
+                .handle
+                .stream
+                .executes(|| ctx.client.read_one(handle.handle.clone()))
+        })?
+        .map_err(|e| device_error("read", e))?;
         let len = shape.num_elements() * dtype.size();
         if bytes.len() < len {
             return Err(runtime_error(
@@ -224,10 +317,7 @@ impl StreamRuntime for CudaRuntime {
     }
 
     fn synchronize(ctx: &CudaContext) -> Result<()> {
-        contained("synchronize", || {
-            cubecl::future::block_on(ctx.client.sync())
-        })?
-        .map_err(|e| device_error("synchronize", e))?;
+        ctx.sync_streams()?;
         ctx.settle_transfers()
     }
 
@@ -262,7 +352,9 @@ impl StreamRuntime for CudaRuntime {
             });
         }
         let bytes = n * out.dtype.size();
-        let in_place = crate::runtime::first_input_reusable::<Self>(&inputs, out);
+        ctx.note_stream();
+        let in_place = crate::runtime::first_input_reusable::<Self>(&inputs, out)
+            && inputs[0].handle.handle.stream == StreamId::current();
         let handle = |i: usize| &inputs[i].handle.handle;
         let len = |i: usize| inputs[i].ir.shape.num_elements();
         macro_rules! numeric {

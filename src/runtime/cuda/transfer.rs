@@ -10,7 +10,9 @@
 //!    it (`submit` + `flush_queue`, a few µs). It runs on cubecl's server in order after this
 //!    thread's earlier launches: it resolves the value's device address (`get_resource`, kept as
 //!    the publication's resolved address) and records cubecl's fence on the captured stream (and
-//!    on the stream that created the buffer, if different). The waiter awaits those fences. The
+//!    on the stream that created the buffer, if different: the runtime writes a buffer in place
+//!    only on its allocating stream, so that stream holds its last write). The waiter awaits
+//!    those fences. The
 //!    frontier is exactly the work dispatched before `publish`: later work on the session's stream
 //!    does not delay it. `frontier_ready` reads a state and never waits.
 //! 2. **Download.** Behind the frontier (same waiter, same order), the waiter enqueues
@@ -271,8 +273,12 @@ impl CudaEvent {
 
 impl Drop for EventInner {
     fn drop(&mut self) {
-        // Only reached with a copy in flight at teardown, after the waiters synchronised their
-        // streams; destroy the event all the same.
+        // The last owner of an event whose copy is still enqueued waits for the copy: the copy's
+        // buffers (`keep`) must outlive it. This crate's own records never get here with a copy
+        // in flight except at teardown, after the copy streams were synchronised (a dropped
+        // download is retired while in flight, and released only once its event completed), so
+        // the wait returns at once; it can block only for a caller of `TransferRuntime::download`
+        // who drops the event it returned while the copy runs.
         let mut state = std::mem::replace(self.state.get_mut(), State::Pending);
         if let State::Enqueued { event, .. } = &mut state
             && self.primary.make_current().is_ok()

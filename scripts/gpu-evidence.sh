@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Run on the GPU machine, from the repository root, with the binaries staged by
+# scripts/gpu-tests.sh in gpu-bin/. Writes one log per step into the directory given (default
+# gpu-logs/), and prints a summary line per step. Steps: tests, sanitizers, examples.
+#
+#   ./scripts/gpu-evidence.sh tests [DIR]       # the GPU tests (the OOM test alone), examples
+#   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the test binary
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-tests}
+out=${2:-gpu-logs}
+mkdir -p "$out"
+export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}
+cs=/usr/local/cuda/bin/compute-sanitizer
+# The OOM test exhausts device memory, and the device-failure test poisons its child's context:
+# both run alone, and not under the sanitizers.
+skip=(--skip device_out_of_memory --skip device_failure)
+
+step() {
+    local name=$1
+    shift
+    local start=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    printf '%-22s rc=%s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
+        "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tr '\n' ' ')"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+case "$what" in
+tests)
+    step gpu-tests ./gpu-bin/gpu --ignored --test-threads=1 --skip device_out_of_memory
+    step gpu-oom ./gpu-bin/gpu --ignored --exact device_out_of_memory_is_a_typed_error
+    step quickstart-cuda ./gpu-bin/quickstart
+    step publish-download-cuda ./gpu-bin/publish_download
+    ;;
+sanitizers)
+    for tool in memcheck synccheck racecheck; do
+        step "$tool" "$cs" --tool "$tool" ./gpu-bin/gpu --ignored --test-threads=1 "${skip[@]}"
+    done
+    ;;
+*)
+    echo "unknown step set: $what" >&2
+    exit 2
+    ;;
+esac
