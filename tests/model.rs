@@ -43,6 +43,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => download.clone().prop_map(|download| Step::WaitDownload { download }),
         1 => publication.prop_map(|publication| Step::DropPublication { publication }),
         1 => download.prop_map(|download| Step::DropDownload { download }),
+        2 => (slot(), slot(), prop::array::uniform3(-2i8..=2)).prop_map(|(dst, src, factors)| Step::Chain { dst, src, factors }),
+        2 => (slot(), slot(), slot(), prop::bool::weighted(0.25)).prop_map(|(dst, src, captured, panics)| Step::Capture { dst, src, captured, panics }),
+        1 => Just(Step::Idle),
     ]
 }
 
@@ -111,6 +114,10 @@ fn generated_programs_exercise_every_kind_of_check() {
     );
     assert!(total.reads > 300 && total.publications > 100 && total.downloads > 40);
     assert!(total.refusals > 5, "{total:?}");
+    assert!(
+        total.deferred_frees > 10 && total.deferred_flushes > 0 && total.in_place_reuses > 50,
+        "deferred frees, service-thread flushes and in-place chains: {total:?}"
+    );
 }
 
 /// The fuzz target's seed corpus (and the decoder it goes through) runs against the model.

@@ -130,6 +130,24 @@ pub enum Step {
     DropDownload {
         download: usize,
     },
+    /// Three consuming scales in a row, starting from `src` (a chain that runs in place where
+    /// the runtime allows it, on whichever thread's stream runs the step).
+    Chain {
+        dst: usize,
+        src: usize,
+        factors: [i8; 3],
+    },
+    /// An identity custom op on `src` whose executor captures a clone of `captured`; the
+    /// capture's destructor panics if `panics` (recorded on the output when the op is dropped).
+    Capture {
+        dst: usize,
+        src: usize,
+        captured: usize,
+        panics: bool,
+    },
+    /// This thread sits idle for longer than the engine's deferred-free bound: the service
+    /// thread's deadline passes while the thread's stream may hold pending work.
+    Idle,
 }
 
 /// A program: its steps, and the seed of its interleaving.
@@ -166,8 +184,17 @@ fn access(step: &Step) -> (Vec<usize>, Vec<usize>) {
             (vec![], vec![d(download)])
         }
         Step::DropPublication { publication } => (vec![], vec![p(publication)]),
+        Step::Chain { dst, src, .. } => (vec![], vec![src, dst]),
+        Step::Capture {
+            dst, src, captured, ..
+        } => (vec![src, captured], vec![dst]),
+        Step::Idle => (vec![], vec![]),
     }
 }
+
+/// The engine's deferred-free bound in these programs: short, so that `Idle` steps (and slow
+/// rounds) let the service thread flush streams while other threads work.
+pub const DEFERRED_FREE_DELAY: Duration = Duration::from_millis(1);
 
 /// A small deterministic generator for the schedule.
 struct Rng(u64);
@@ -408,6 +435,36 @@ fn fail_op(c: &Client, src: &Tensor, fault: Fault, step: usize) -> Result<Tensor
     }
 }
 
+/// What a `Capture` step's executor holds: a tensor, and whether dropping it panics.
+struct Captured {
+    _tensor: Tensor,
+    panic: Option<String>,
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        if let Some(message) = self.panic.take() {
+            std::panic::panic_any(message);
+        }
+    }
+}
+
+fn capture_op(c: &Client, src: &Tensor, captured: Captured) -> Result<Tensor, Error> {
+    Ok(c.op("capture")
+        .read(src)
+        .output(src.shape().clone(), DType::F32)
+        .execute(
+            move |op: &CustomOpIr, handles: &mut HandleContainer<HostHandle>| {
+                let _held = &captured;
+                let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+                handles.register_handle(op.outputs[0].id, input);
+                Ok(())
+            },
+        )
+        .map_err(|r| r.error)?
+        .remove(0))
+}
+
 fn wait_and_read(download: Download) -> Result<Vec<f32>, Error> {
     match download.wait() {
         Ok(buffer) => Ok(buffer_f32s(&buffer)),
@@ -558,6 +615,39 @@ fn execute(world: &World, index: usize, step: &Step) -> Observed {
         }
         Step::DropDownload { download } => {
             drop(world.downloads[download].lock().unwrap().take());
+            Observed::Nothing
+        }
+        Step::Chain { dst, src, factors } => {
+            let Some(mut t) = slots.slot(src).take() else {
+                return Observed::Nothing;
+            };
+            for factor in factors {
+                t = match c.launch(Kernel::Scale(factor as f64), vec![Operand::Consume(t)]) {
+                    Ok(t) => t,
+                    Err(rejected) => return Observed::Registered(Err(rejected.error)),
+                };
+            }
+            *slots.slot(dst) = Some(t);
+            Observed::Registered(Ok(()))
+        }
+        Step::Capture {
+            dst,
+            src,
+            captured,
+            panics,
+        } => {
+            let (Some(s), Some(held)) = (slots.get(src), slots.get(captured)) else {
+                return Observed::Nothing;
+            };
+            let captured = Captured {
+                _tensor: held.clone(),
+                panic: panics.then(|| format!("step {index}")),
+            };
+            let r = capture_op(c, s, captured);
+            put(&mut slots, dst, r)
+        }
+        Step::Idle => {
+            std::thread::sleep(DEFERRED_FREE_DELAY * 3);
             Observed::Nothing
         }
     }
@@ -773,6 +863,40 @@ impl Reference {
             }
             Step::DropPublication { publication } => self.publications[publication] = None,
             Step::DropDownload { download } => self.downloads[download] = None,
+            Step::Chain { dst, src, factors } => {
+                let Some(s) = model[src].take() else {
+                    return Ok(());
+                };
+                expect_registered(&observed, true)?;
+                let value = factors
+                    .iter()
+                    .fold(combine(&[&s]).map(|v| v[0].clone()), |v, f| {
+                        v.map(|v| apply_unary(Unary::Scale(*f), &v))
+                    });
+                model[dst] = Some(Model { len: s.len, value });
+            }
+            Step::Capture {
+                dst,
+                src,
+                captured,
+                panics,
+            } => {
+                let (Some(s), Some(_)) = (model[src].clone(), model[captured].as_ref()) else {
+                    return Ok(());
+                };
+                expect_registered(&observed, true)?;
+                let value = if panics {
+                    // Whatever the op did, its disposal panicked: that is recorded on it.
+                    Err(Failure::Engine(Error::OperationPanicked {
+                        op: "capture".into(),
+                        message: format!("while dropping the executor: step {index}").into(),
+                    }))
+                } else {
+                    combine(&[&s]).map(|v| v[0].clone())
+                };
+                model[dst] = Some(Model { len: s.len, value });
+            }
+            Step::Idle => {}
         }
         Ok(())
     }
@@ -790,6 +914,12 @@ pub struct RunReport {
     pub downloads: usize,
     /// Refusals checked: publications of failed values, and downloads.
     pub refusals: usize,
+    /// Pending segments the service thread ran for a deferred free whose home stayed idle.
+    pub deferred_flushes: u64,
+    /// Deferred foreign frees (a pending op still read the dropped tensor).
+    pub deferred_frees: u64,
+    /// Kernels that wrote their first input's buffer in place.
+    pub in_place_reuses: u64,
 }
 
 impl std::ops::AddAssign for RunReport {
@@ -800,13 +930,21 @@ impl std::ops::AddAssign for RunReport {
         self.publications += r.publications;
         self.downloads += r.downloads;
         self.refusals += r.refusals;
+        self.deferred_flushes += r.deferred_flushes;
+        self.deferred_frees += r.deferred_frees;
+        self.in_place_reuses += r.in_place_reuses;
     }
 }
 
 /// Run `program` on a fresh engine over [`THREADS`] threads and check it against the model.
 pub fn run_program(program: &Program) -> Result<RunReport, String> {
+    let client = fusion_streams::FusionClient::with_config(
+        fusion_streams::host::HostDevice::default(),
+        lazy_config().with_max_deferred_free_delay(DEFERRED_FREE_DELAY),
+    )
+    .expect("host device");
     let world = Arc::new(World {
-        client: client(),
+        client,
         slots: (0..SLOTS).map(|_| RwLock::new(None)).collect(),
         publications: (0..PUBS).map(|_| Mutex::new(None)).collect(),
         downloads: (0..DOWNLOADS).map(|_| Mutex::new(None)).collect(),
@@ -913,22 +1051,32 @@ pub fn run_program(program: &Program) -> Result<RunReport, String> {
             reference.failed_publications
         ));
     }
-    let live = host(&c).live_buffers();
+    let device = host(&c);
+    let live = device.live_buffers();
     if live > retired.permanent as u64 {
         return Err(format!(
             "{live} buffer(s) live, {} held by terminal records",
             retired.permanent
         ));
     }
-    // Teardown: the last owner goes, and with it the runtime (no pin leaked, no cycle).
+    // Teardown: the last owner goes, and with it the runtime (no pin leaked, no cycle). The
+    // service thread may be in the middle of a deadline flush, holding the engine for its
+    // duration: the runtime goes when that flush ends.
     let runtime = Arc::downgrade(c.context());
     drop(c);
-    if runtime.upgrade().is_some() {
-        return Err("the runtime outlived its last client".into());
+    let deadline = std::time::Instant::now() + ROUND_DEADLINE;
+    while runtime.upgrade().is_some() {
+        if std::time::Instant::now() > deadline {
+            return Err("the runtime outlived its last client".into());
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
     Ok(RunReport {
         rounds: report.rounds,
         concurrent_rounds: report.concurrent_rounds,
+        deferred_flushes: stats.deferred_flushes,
+        deferred_frees: stats.deferred_frees,
+        in_place_reuses: device.in_place_reuses,
         ..reference.counts
     })
 }
@@ -955,7 +1103,7 @@ pub fn decode(bytes: &[u8]) -> Program {
         let mut arg = || next().unwrap_or(0) as usize;
         let thread = (head as usize >> 5) % THREADS;
         let slot = |v: usize| v % SLOTS;
-        let step = match head % 16 {
+        let step = match head % 19 {
             0 => {
                 let values = [arg(), arg(), arg(), arg()].map(|v| (v % 7) as i8 - 3);
                 Step::Upload {
@@ -1026,9 +1174,21 @@ pub fn decode(bytes: &[u8]) -> Program {
             14 => Step::DropPublication {
                 publication: arg() % PUBS,
             },
-            _ => Step::DropDownload {
+            15 => Step::DropDownload {
                 download: arg() % DOWNLOADS,
             },
+            16 => Step::Chain {
+                dst: slot(arg()),
+                src: slot(arg()),
+                factors: [arg(), arg(), arg()].map(|v| (v % 5) as i8 - 2),
+            },
+            17 => Step::Capture {
+                dst: slot(arg()),
+                src: slot(arg()),
+                captured: slot(arg()),
+                panics: arg() % 4 == 0,
+            },
+            _ => Step::Idle,
         };
         steps.push((thread, step));
     }
