@@ -130,9 +130,7 @@ fn an_allocation_larger_than_memory_is_an_error_on_the_tensor_not_an_abort() {
         vec![3.0, 6.0]
     );
     drop((huge, downstream));
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
-    assert_eq!(host(&c).live_buffers(), 0);
+    assert_nothing_held(&c);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,8 +269,7 @@ fn a_rejected_operation_hands_back_exactly_the_tensors_given() {
     );
     drop((rejected, borrowed));
     peer.join();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }
 
 /// An executor capture whose destructor panics was dropped outside the error scope: the panic
@@ -313,9 +310,7 @@ fn a_panicking_capture_destructor_stays_inside_the_error_scope() {
         first.read()
     );
     drop((x, first, behind));
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
-    assert_eq!(host(&c).live_buffers(), 0, "the queued free ran");
+    assert_nothing_held(&c); // the queued free ran
 }
 
 thread_local! {
@@ -406,8 +401,7 @@ fn a_foreign_drop_frees_at_once_when_no_pending_op_reads_it() {
     );
     drop((other, unrelated));
     home.join();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }
 
 /// With a pending reader the free must wait, but an idle home thread held it forever. The delay
@@ -444,8 +438,7 @@ fn a_deferred_free_under_an_idle_home_thread_happens_within_the_bound() {
     );
     drop(reader);
     home.join();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }
 
 /// An inbox `Free` (a drop posted from inside an executor) emptied an orphaned stream without
@@ -482,8 +475,7 @@ fn an_orphan_emptied_by_a_posted_free_is_retired() {
         "the emptied orphan is retired"
     );
     drop((x, out));
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }
 
 /// A custom op that registered a buffer smaller than its declared output made `read()` panic
@@ -515,6 +507,5 @@ fn a_custom_op_output_smaller_than_its_shape_is_a_typed_error_on_read() {
         out.read()
     );
     drop((x, out));
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }

@@ -58,6 +58,14 @@ pub fn settle(client: &Client) {
     client.sync().expect("sync");
 }
 
+/// Settle, then check that the engine holds nothing and the device no buffer.
+pub fn assert_nothing_held(client: &Client) {
+    settle(client);
+    let stats = client.stats();
+    assert!(stats.is_quiescent(), "{stats:?}");
+    assert_eq!(host(client).live_buffers(), 0, "live buffers");
+}
+
 type Job = Box<dyn FnOnce() + Send>;
 
 /// A thread that stays alive between steps, so its stream (and the views it holds) persist.
