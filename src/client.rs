@@ -264,7 +264,9 @@ impl<R: StreamRuntime> FusionClient<R> {
     pub fn from_data(&self, data: TensorData) -> Result<FusionTensor<R>> {
         Self::refuse_reentry("FusionClient::from_data")?;
         let expected = self.check_size("host data", &data.shape, data.dtype)?;
-        if data.bytes.len() != expected {
+        // Quantized data packs its values with its quantization parameters: its length is the
+        // backend's to check.
+        if !matches!(data.dtype, DType::QFloat(_)) && data.bytes.len() != expected {
             return Err(Error::InvalidData(format!(
                 "{} bytes for shape {:?} of {:?} (expected {expected})",
                 data.bytes.len(),
@@ -273,15 +275,20 @@ impl<R: StreamRuntime> FusionClient<R> {
             )));
         }
         let handle = R::upload(&self.inner.context, &data)?;
+        Ok(self.adopt(Entry::Handle(handle), data.shape, data.dtype))
+    }
+
+    /// A tensor of the current stream holding `entry` (a handle made outside the engine, or an
+    /// error), under a fresh id.
+    pub(crate) fn adopt(
+        &self,
+        entry: Entry<R::FusionHandle>,
+        shape: Shape,
+        dtype: DType,
+    ) -> FusionTensor<R> {
         let id = crate::id::fresh_tensor_id();
-        let home = self.inner.streams.register_entry(id, Entry::Handle(handle));
-        Ok(FusionTensor::new(
-            id,
-            data.shape,
-            data.dtype,
-            home,
-            self.clone(),
-        ))
+        let home = self.inner.streams.register_entry(id, entry);
+        FusionTensor::new(id, shape, dtype, home, self.clone())
     }
 
     /// Run the current stream's pending work (dispatch only, no device wait).
@@ -327,14 +334,14 @@ impl<R: StreamRuntime> FusionClient<R> {
     ///
     /// The steps, in order, each one a point where nothing is lost if it fails:
     ///
-    /// 1. Refuse re-entrant calls, tensors of other clients and outputs whose size is impossible,
-    ///    handing every operand back.
+    /// 1. Refuse re-entrant calls and tensors of other clients, handing every operand back.
     /// 2. Decide each operand's IR without touching the engine: a local operand that is the last
     ///    reference to its id is `ReadWrite`, other local ones `ReadOnly`; a foreign operand gets a
     ///    reserved id for the view it will be read through (`ReadWrite`: only the operation owns
-    ///    that view). Mint fresh output ids and build the operation (user code, outside any lock).
-    ///    `validate` may still reject here: the caller gets back exactly the tensors it handed
-    ///    over, unchanged and in order, and no view was minted.
+    ///    that view). `build` makes the operation from those IRs (user code, outside any lock),
+    ///    minting a fresh id for each output; it may reject, and so may an output whose size is
+    ///    impossible: the caller then gets back exactly the tensors it handed over, unchanged and
+    ///    in order, and no view was minted.
     /// 3. Turn foreign operands into shared views under their reserved ids (outside any lock).
     /// 4. Under the current stream's lock, commit the statuses (a `ReadWrite` operand is released
     ///    to the operation and leaves `shared_sources`) and enqueue.
@@ -345,23 +352,14 @@ impl<R: StreamRuntime> FusionClient<R> {
     pub(crate) fn register<B: IntoQueued<R>>(
         &self,
         operands: Operands<'_, R>,
-        outputs: SmallVec<[(Shape, DType); 1]>,
-        build: impl FnOnce(SmallVec<[TensorIr; 2]>, SmallVec<[TensorIr; 1]>) -> B,
-        validate: impl FnOnce(&B) -> Result<()>,
+        build: impl FnOnce(SmallVec<[TensorIr; 2]>) -> Result<B>,
     ) -> Result<SmallVec<[FusionTensor<R>; 1]>, Rejected<FusionTensor<R>>> {
         // 1.
-        let refused = Self::refuse_reentry("FusionClient::register")
-            .and_then(|()| {
-                operands
-                    .iter()
-                    .try_for_each(|o| self.check_owner(o.tensor()))
-            })
-            .and_then(|()| {
-                outputs.iter().try_for_each(|(shape, dtype)| {
-                    self.check_size("an operation output", shape, *dtype)
-                        .map(drop)
-                })
-            });
+        let refused = Self::refuse_reentry("FusionClient::register").and_then(|()| {
+            operands
+                .iter()
+                .try_for_each(|o| self.check_owner(o.tensor()))
+        });
         if let Err(error) = refused {
             return Err(hand_back(operands, error));
         }
@@ -371,21 +369,25 @@ impl<R: StreamRuntime> FusionClient<R> {
         let mut locals: SmallVec<[Local<'_, R>; 2]> =
             crate::small::collect(operands.into_iter().map(|o| Local::new(o, current)));
         let input_irs = crate::small::collect(locals.iter().map(Local::ir));
-        let output_irs =
-            crate::small::collect(outputs.into_iter().map(|(shape, dtype)| TensorIr {
-                id: crate::id::fresh_tensor_id(),
-                shape,
-                status: TensorStatus::NotInit,
-                dtype,
-            }));
-        let body = build(input_irs, output_irs);
-        if let Err(error) = validate(&body) {
-            let returned = locals
-                .into_iter()
-                .filter_map(Local::into_returned)
-                .collect();
-            return Err(Rejected { error, returned });
-        }
+        let built = build(input_irs).and_then(|body| {
+            body.outputs()
+                .iter()
+                .try_for_each(|out| {
+                    self.check_size("an operation output", &out.shape, out.dtype)
+                        .map(drop)
+                })
+                .map(|()| body)
+        });
+        let body = match built {
+            Ok(body) => body,
+            Err(error) => {
+                let returned = locals
+                    .into_iter()
+                    .filter_map(Local::into_returned)
+                    .collect();
+                return Err(Rejected { error, returned });
+            }
+        };
 
         // 3.
         let locals: SmallVec<[Local<'_, R>; 2]> =
@@ -516,20 +518,20 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
         self,
         executor: E,
     ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
-        let name = self.name;
-        let build = move |inputs: SmallVec<[TensorIr; 2]>, outputs: SmallVec<[TensorIr; 1]>| {
-            CustomOperation {
+        let (name, outputs) = (self.name, self.outputs);
+        let build = move |inputs: SmallVec<[TensorIr; 2]>| {
+            Ok(CustomOperation {
                 ir: CustomOpIr {
                     id: name.into_owned(),
                     inputs: inputs.into_vec(),
-                    outputs: outputs.into_vec(),
+                    outputs: fresh_outputs(outputs).into_vec(),
                 },
                 executor,
                 _runtime: std::marker::PhantomData,
-            }
+            })
         };
         self.client
-            .register(self.operands, self.outputs, build, |_| Ok(()))
+            .register(self.operands, build)
             .map(SmallVec::into_vec)
     }
 
@@ -546,21 +548,21 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
     where
         O: FallibleOperation<R> + 'static,
     {
-        let name = self.name;
-        let build = move |inputs: SmallVec<[TensorIr; 2]>, outputs: SmallVec<[TensorIr; 1]>| {
+        let (name, outputs) = (self.name, self.outputs);
+        let build = move |inputs: SmallVec<[TensorIr; 2]>| {
+            let outputs = fresh_outputs(outputs);
             let (repr, operation) = build(&inputs, &outputs);
-            WithRepr {
+            validate_repr(&name, &repr, &inputs, &outputs)?;
+            Ok(WithRepr {
                 name,
                 repr,
                 inputs,
                 outputs,
                 operation,
-            }
+            })
         };
         self.client
-            .register(self.operands, self.outputs, build, |body| {
-                validate_repr(&body.name, &body.repr, &body.inputs, &body.outputs)
-            })
+            .register(self.operands, build)
             .map(SmallVec::into_vec)
     }
 
@@ -578,6 +580,16 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
             (repr, BurnOperation(op))
         })
     }
+}
+
+/// Output IRs for declared `(shape, dtype)` outputs, each under a fresh id.
+pub(crate) fn fresh_outputs(outputs: SmallVec<[(Shape, DType); 1]>) -> SmallVec<[TensorIr; 1]> {
+    crate::small::collect(outputs.into_iter().map(|(shape, dtype)| TensorIr {
+        id: crate::id::fresh_tensor_id(),
+        shape,
+        status: TensorStatus::NotInit,
+        dtype,
+    }))
 }
 
 /// The recorded IR must name exactly the registered operands and outputs.

@@ -46,6 +46,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backend;
 mod client;
 #[cfg(feature = "cuda")]
 pub mod cuda;

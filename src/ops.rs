@@ -230,16 +230,20 @@ impl<R: StreamRuntime> FusionClient<R> {
         shape: Shape,
         dtype: DType,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
-        let build = |inputs, mut outputs: SmallVec<[TensorIr; 1]>| Builtin {
-            kernel,
-            inputs,
-            out: [outputs.pop().expect("one output declared")],
+        let build = |inputs| {
+            Ok(Builtin {
+                kernel,
+                inputs,
+                out: [TensorIr {
+                    id: crate::id::fresh_tensor_id(),
+                    shape,
+                    status: burn_ir::TensorStatus::NotInit,
+                    dtype,
+                }],
+            })
         };
-        let mut outputs =
-            self.register(operands, smallvec::smallvec![(shape, dtype)], build, |_| {
-                Ok(())
-            })?;
-        Ok(outputs.pop().expect("one output declared"))
+        let mut outputs = self.register(operands, build)?;
+        Ok(outputs.pop().expect("one output"))
     }
 
     fn launch_ref(&self, kernel: Kernel, operands: &[&FusionTensor<R>]) -> Result<FusionTensor<R>> {

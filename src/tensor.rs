@@ -205,16 +205,37 @@ impl<R: StreamRuntime> FusionTensor<R> {
     /// the id is released in the same step as the read (as its last drop would release it:
     /// behind any pending operation that still reads it).
     pub fn into_data(self) -> Result<TensorData> {
+        let (client, shape, dtype) = (self.client().clone(), self.shape().clone(), self.dtype());
+        client.read_entry(self.into_entry()?, &shape, dtype)
+    }
+
+    /// Consume the tensor for its handle (or its error): as [`FusionTensor::into_data`], without
+    /// the copy.
+    pub(crate) fn into_handle(self) -> Result<R::FusionHandle> {
+        match self.into_entry()? {
+            crate::stream::Entry::Handle(handle) => Ok(handle),
+            crate::stream::Entry::Failed(error) => Err(error),
+        }
+    }
+
+    /// A second owner of the tensor's handle (or its error), releasing the id when this was its
+    /// last reference.
+    fn into_entry(self) -> Result<crate::stream::Entry<R::FusionHandle>> {
         match self.inner.try_take() {
             Ok(mut last) => {
                 let inner = last.get();
                 let entry = inner.client.streams().mark_read(&inner.home, inner.id)?;
                 // `mark_read` released the id: dropping `last` must not release it again.
                 last.disarm();
-                let inner = last.get();
-                inner.client.read_entry(entry, &inner.shape, inner.dtype)
+                Ok(entry)
             }
-            Err(inner) => FusionTensor { inner }.read(),
+            Err(inner) => {
+                let inner = FusionTensor { inner };
+                inner
+                    .client()
+                    .streams()
+                    .read_entry(&inner.inner.home, inner.id())
+            }
         }
     }
 

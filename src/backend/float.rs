@@ -1,0 +1,239 @@
+//! Float tensor operations of [`StreamFusion`].
+
+use burn_backend::ops::FloatTensorOps;
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
+use burn_backend::{Distribution, ExecutionError, FloatDType, IntDType, Shape, TensorData};
+use burn_ir::{
+    BackendIr, CastOpIr, CreationOpIr, CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr,
+    RandomOpIr, ReduceDimOpIr,
+};
+
+use super::StreamFusion;
+use super::macros::*;
+use super::record::{client_of, record_one};
+
+impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
+    fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        Self::upload(data, device)
+    }
+
+    fn float_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Self> {
+        let client = Self::client(device);
+        let device = device.clone();
+        record_one(
+            &client,
+            "float_random",
+            [],
+            |_, id| {
+                (
+                    RandomOpIr::create(shape, dtype.into(), distribution, id),
+                    device,
+                )
+            },
+            |(ir, _)| OperationIr::Float(ir.out.dtype, FloatOperationIr::Random(ir.clone())),
+            |(ir, device), h| {
+                let out = B::float_random(
+                    ir.out.shape.clone(),
+                    ir.distribution,
+                    device,
+                    ir.out.dtype.into(),
+                );
+                h.register_float_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn float_into_data(
+        tensor: FloatTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        Self::download(tensor)
+    }
+
+    fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
+        super::device_of(tensor)
+    }
+
+    fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
+        Self::move_to(tensor, device)
+    }
+
+    fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "float_into_int",
+            [tensor],
+            |i, id| CastOpIr::create(i[0].clone(), out_dtype.into(), id),
+            |ir| OperationIr::Float(ir.input.dtype, FloatOperationIr::IntoInt(ir.clone())),
+            |ir, h| {
+                let x = h.get_float_tensor::<B>(&ir.input);
+                let out = B::float_into_int(x, ir.out.dtype.into());
+                h.register_int_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        let client = Self::client(device);
+        let device = device.clone();
+        record_one(
+            &client,
+            "float_empty",
+            [],
+            |_, id| (CreationOpIr::create(shape, dtype.into(), id), device),
+            |(ir, _)| wrap!(BaseFloat, Empty, ir.out.dtype, ir),
+            |(ir, device), h| {
+                let out = B::float_empty(ir.out.shape.clone(), device, ir.out.dtype.into());
+                h.register_float_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    unary_ops!(get_float_tensor, register_float_tensor;
+        float_exp: Float::Exp, float_log: Float::Log, float_log1p: Float::Log1p,
+        float_erf: Float::Erf, float_sqrt: Float::Sqrt, float_recip: Float::Recip,
+        float_cos: Float::Cos, float_sin: Float::Sin, float_tan: Float::Tan,
+        float_cosh: Float::Cosh, float_sinh: Float::Sinh, float_tanh: Float::Tanh,
+        float_acos: Float::ArcCos, float_acosh: Float::ArcCosh, float_asin: Float::ArcSin,
+        float_asinh: Float::ArcSinh, float_atan: Float::ArcTan, float_atanh: Float::ArcTanh,
+        float_round: Float::Round, float_floor: Float::Floor, float_ceil: Float::Ceil,
+        float_trunc: Float::Trunc, float_abs: NumericFloat::Abs,
+    );
+
+    binary_ops!(get_float_tensor, register_float_tensor;
+        float_add: NumericFloat::Add, float_sub: NumericFloat::Sub,
+        float_mul: NumericFloat::Mul, float_div: NumericFloat::Div,
+        float_remainder: NumericFloat::Rem, float_atan2: Float::ArcTan2,
+        float_powf: Float::Powf,
+    );
+
+    scalar_ops!(get_float_tensor, register_float_tensor;
+        float_add_scalar: NumericFloat::AddScalar, float_sub_scalar: NumericFloat::SubScalar,
+        float_mul_scalar: NumericFloat::MulScalar, float_div_scalar: NumericFloat::DivScalar,
+        float_remainder_scalar: NumericFloat::RemScalar,
+        float_powf_scalar_impl: Float::PowfScalar,
+    );
+
+    compare_ops!(get_float_tensor;
+        float_equal: BaseFloat::Equal, float_greater: NumericFloat::Greater,
+        float_greater_equal: NumericFloat::GreaterEqual, float_lower: NumericFloat::Lower,
+        float_lower_equal: NumericFloat::LowerEqual,
+    );
+
+    compare_scalar_ops!(get_float_tensor;
+        float_equal_elem: BaseFloat::EqualElem, float_greater_elem: NumericFloat::GreaterElem,
+        float_greater_equal_elem: NumericFloat::GreaterEqualElem,
+        float_lower_elem: NumericFloat::LowerElem,
+        float_lower_equal_elem: NumericFloat::LowerEqualElem,
+    );
+
+    reduce_dim_ops!(get_float_tensor, register_float_tensor;
+        float_sum_dim: NumericFloat::SumDim, float_mean_dim: NumericFloat::MeanDim,
+        float_prod_dim: NumericFloat::ProdDim, float_max_dim: NumericFloat::MaxDim,
+        float_min_dim: NumericFloat::MinDim, float_max_abs_dim: NumericFloat::MaxAbsDim,
+    );
+
+    arg_reduce_ops!(get_float_tensor;
+        float_argmax: NumericFloat::ArgMax, float_argmin: NumericFloat::ArgMin,
+    );
+
+    dim_ops!(get_float_tensor, register_float_tensor;
+        float_cumsum: NumericFloat::CumSum, float_cumprod: NumericFloat::CumProd,
+        float_cummin: NumericFloat::CumMin, float_cummax: NumericFloat::CumMax,
+    );
+
+    base_ops!(get_float_tensor, register_float_tensor, BaseFloat;
+        reshape: float_reshape, expand: float_expand, swap_dims: float_swap_dims,
+        permute: float_permute, flip: float_flip, unfold: float_unfold, slice: float_slice,
+        slice_assign: float_slice_assign, select: float_select, select_assign: float_select_add,
+        gather: float_gather, scatter: float_scatter_add, mask_where: float_mask_where,
+        mask_fill: float_mask_fill, gather_nd: float_gather_nd, scatter_nd: float_scatter_nd,
+    );
+
+    reduce_ops!(get_float_tensor, register_float_tensor;
+        float_sum: NumericFloat::Sum, float_prod: NumericFloat::Prod,
+        float_mean: NumericFloat::Mean, float_max: NumericFloat::Max,
+        float_min: NumericFloat::Min, float_max_abs: NumericFloat::MaxAbs,
+    );
+
+    fn float_argtopk(
+        tensor: FloatTensor<Self>,
+        dim: usize,
+        k: usize,
+        out_dtype: IntDType,
+    ) -> IntTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "float_argtopk",
+            [tensor],
+            |i, id| ReduceDimOpIr::create_arg(i[0].clone(), dim, k, out_dtype.into(), id),
+            |ir| wrap!(NumericFloat, ArgTopK, ir.input.dtype, ir),
+            |ir, h| {
+                let x = h.get_float_tensor::<B>(&ir.input);
+                let out = B::float_argtopk(x, ir.axis, ir.accumulator_len, ir.out.dtype.into());
+                h.register_int_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let client = client_of(&lhs);
+        record_one(
+            &client,
+            "float_matmul",
+            [lhs, rhs],
+            |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
+            |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Matmul(ir.clone())),
+            |ir, h| {
+                let (l, r) = (
+                    h.get_float_tensor::<B>(&ir.lhs),
+                    h.get_float_tensor::<B>(&ir.rhs),
+                );
+                h.register_float_tensor::<B>(&ir.out.id, B::float_matmul(l, r));
+            },
+        )
+    }
+
+    fn float_cross(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        dim: usize,
+    ) -> FloatTensor<Self> {
+        let client = client_of(&lhs);
+        record_one(
+            &client,
+            "float_cross",
+            [lhs, rhs],
+            |i, id| CrossOpIr::create(i[0].clone(), i[1].clone(), dim, id),
+            |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Cross(ir.clone())),
+            |ir, h| {
+                let (l, r) = (
+                    h.get_float_tensor::<B>(&ir.lhs),
+                    h.get_float_tensor::<B>(&ir.rhs),
+                );
+                h.register_float_tensor::<B>(&ir.out.id, B::float_cross(l, r, ir.dim));
+            },
+        )
+    }
+
+    fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "float_cast",
+            [tensor],
+            |i, id| CastOpIr::create(i[0].clone(), dtype.into(), id),
+            |ir| wrap!(BaseFloat, Cast, ir.out.dtype, ir),
+            |ir, h| {
+                let x = h.get_float_tensor::<B>(&ir.input);
+                h.register_float_tensor::<B>(&ir.out.id, B::float_cast(x, ir.out.dtype.into()));
+            },
+        )
+    }
+}

@@ -1,0 +1,226 @@
+//! Int tensor operations of [`StreamFusion`].
+
+use burn_backend::ops::IntTensorOps;
+use burn_backend::tensor::{Device, FloatTensor, IntTensor};
+use burn_backend::{Distribution, ExecutionError, FloatDType, IntDType, Shape, TensorData};
+use burn_ir::{
+    BackendIr, CastOpIr, CreationOpIr, IntOperationIr, MatmulOpIr, NumericOperationIr, OperationIr,
+    RandomOpIr, ReduceDimOpIr,
+};
+
+use super::StreamFusion;
+use super::macros::*;
+use super::record::{client_of, record_one};
+
+/// `int_argmax`/`int_argmin`/`int_argtopk`: an int result of the input's dtype.
+macro_rules! int_arg_ops {
+    ($($f:ident: $v:ident),* $(,)?) => {$(
+        fn $f(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+            let client = client_of(&tensor);
+            record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| ReduceDimOpIr::create(i[0].clone(), dim, 1, id),
+                |ir| wrap!(NumericInt, $v, ir.input.dtype, ir),
+                |ir, h| {
+                    let x = h.get_int_tensor::<B>(&ir.input);
+                    h.register_int_tensor::<B>(&ir.out.id, B::$f(x, ir.axis));
+                },
+            )
+        }
+    )*};
+}
+
+impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
+    fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        let client = Self::client(device);
+        let device = device.clone();
+        record_one(
+            &client,
+            "int_empty",
+            [],
+            |_, id| (CreationOpIr::create(shape, dtype.into(), id), device),
+            |(ir, _)| wrap!(BaseInt, Empty, ir.out.dtype, ir),
+            |(ir, device), h| {
+                let out = B::int_empty(ir.out.shape.clone(), device, ir.out.dtype.into());
+                h.register_int_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn int_into_data(
+        tensor: IntTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        Self::download(tensor)
+    }
+
+    fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
+        Self::upload(data, device)
+    }
+
+    fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
+        super::device_of(tensor)
+    }
+
+    fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
+        Self::move_to(tensor, device)
+    }
+
+    fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "int_into_float",
+            [tensor],
+            |i, id| CastOpIr::create(i[0].clone(), out_dtype.into(), id),
+            |ir| OperationIr::Int(IntOperationIr::IntoFloat(ir.clone())),
+            |ir, h| {
+                let x = h.get_int_tensor::<B>(&ir.input);
+                let out = B::int_into_float(x, ir.out.dtype.into());
+                h.register_float_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn int_random(
+        shape: Shape,
+        distribution: Distribution,
+        device: &Device<Self>,
+        dtype: IntDType,
+    ) -> IntTensor<Self> {
+        let client = Self::client(device);
+        let device = device.clone();
+        record_one(
+            &client,
+            "int_random",
+            [],
+            |_, id| {
+                (
+                    RandomOpIr::create(shape, dtype.into(), distribution, id),
+                    device,
+                )
+            },
+            |(ir, _)| {
+                OperationIr::NumericInt(ir.out.dtype, NumericOperationIr::IntRandom(ir.clone()))
+            },
+            |(ir, device), h| {
+                let out = B::int_random(
+                    ir.out.shape.clone(),
+                    ir.distribution,
+                    device,
+                    ir.out.dtype.into(),
+                );
+                h.register_int_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "int_cast",
+            [tensor],
+            |i, id| CastOpIr::create(i[0].clone(), dtype.into(), id),
+            |ir| wrap!(BaseInt, Cast, ir.out.dtype, ir),
+            |ir, h| {
+                let x = h.get_int_tensor::<B>(&ir.input);
+                h.register_int_tensor::<B>(&ir.out.id, B::int_cast(x, ir.out.dtype.into()));
+            },
+        )
+    }
+
+    fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        let client = client_of(&lhs);
+        record_one(
+            &client,
+            "int_matmul",
+            [lhs, rhs],
+            |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
+            |ir| OperationIr::Int(IntOperationIr::Matmul(ir.clone())),
+            |ir, h| {
+                let (l, r) = (
+                    h.get_int_tensor::<B>(&ir.lhs),
+                    h.get_int_tensor::<B>(&ir.rhs),
+                );
+                h.register_int_tensor::<B>(&ir.out.id, B::int_matmul(l, r));
+            },
+        )
+    }
+
+    fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "int_argtopk",
+            [tensor],
+            |i, id| ReduceDimOpIr::create(i[0].clone(), dim, k, id),
+            |ir| wrap!(NumericInt, ArgTopK, ir.input.dtype, ir),
+            |ir, h| {
+                let x = h.get_int_tensor::<B>(&ir.input);
+                let out = B::int_argtopk(x, ir.axis, ir.accumulator_len);
+                h.register_int_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    int_arg_ops!(int_argmax: ArgMax, int_argmin: ArgMin);
+    reduce_ops!(get_int_tensor, register_int_tensor;
+        int_sum: NumericInt::Sum, int_prod: NumericInt::Prod, int_mean: NumericInt::Mean,
+        int_max: NumericInt::Max, int_min: NumericInt::Min, int_max_abs: NumericInt::MaxAbs,
+    );
+
+    unary_ops!(get_int_tensor, register_int_tensor;
+        int_abs: NumericInt::Abs, bitwise_not: Int::BitwiseNot,
+    );
+
+    binary_ops!(get_int_tensor, register_int_tensor;
+        int_add: NumericInt::Add, int_sub: NumericInt::Sub, int_mul: NumericInt::Mul,
+        int_div: NumericInt::Div, int_remainder: NumericInt::Rem,
+        bitwise_and: Int::BitwiseAnd, bitwise_or: Int::BitwiseOr, bitwise_xor: Int::BitwiseXor,
+        bitwise_left_shift: Int::BitwiseLeftShift,
+        bitwise_right_shift: Int::BitwiseRightShift,
+    );
+
+    scalar_ops!(get_int_tensor, register_int_tensor;
+        int_add_scalar: NumericInt::AddScalar, int_sub_scalar: NumericInt::SubScalar,
+        int_mul_scalar: NumericInt::MulScalar, int_div_scalar: NumericInt::DivScalar,
+        int_remainder_scalar: NumericInt::RemScalar,
+        bitwise_and_scalar: Int::BitwiseAndScalar, bitwise_or_scalar: Int::BitwiseOrScalar,
+        bitwise_xor_scalar: Int::BitwiseXorScalar,
+        bitwise_left_shift_scalar: Int::BitwiseLeftShiftScalar,
+        bitwise_right_shift_scalar: Int::BitwiseRightShiftScalar,
+    );
+
+    compare_ops!(get_int_tensor;
+        int_equal: BaseInt::Equal, int_greater: NumericInt::Greater,
+        int_greater_equal: NumericInt::GreaterEqual, int_lower: NumericInt::Lower,
+        int_lower_equal: NumericInt::LowerEqual,
+    );
+
+    compare_scalar_ops!(get_int_tensor;
+        int_equal_elem: BaseInt::EqualElem, int_greater_elem: NumericInt::GreaterElem,
+        int_greater_equal_elem: NumericInt::GreaterEqualElem,
+        int_lower_elem: NumericInt::LowerElem, int_lower_equal_elem: NumericInt::LowerEqualElem,
+    );
+
+    reduce_dim_ops!(get_int_tensor, register_int_tensor;
+        int_sum_dim: NumericInt::SumDim, int_prod_dim: NumericInt::ProdDim,
+        int_mean_dim: NumericInt::MeanDim, int_max_dim: NumericInt::MaxDim,
+        int_min_dim: NumericInt::MinDim, int_max_abs_dim: NumericInt::MaxAbsDim,
+    );
+
+    dim_ops!(get_int_tensor, register_int_tensor;
+        int_cumsum: NumericInt::CumSum, int_cumprod: NumericInt::CumProd,
+        int_cummin: NumericInt::CumMin, int_cummax: NumericInt::CumMax,
+    );
+
+    base_ops!(get_int_tensor, register_int_tensor, BaseInt;
+        reshape: int_reshape, expand: int_expand, swap_dims: int_swap_dims,
+        permute: int_permute, flip: int_flip, unfold: int_unfold, slice: int_slice,
+        slice_assign: int_slice_assign, select: int_select, select_assign: int_select_add,
+        gather: int_gather, scatter: int_scatter_add, mask_where: int_mask_where,
+        mask_fill: int_mask_fill, gather_nd: int_gather_nd, scatter_nd: int_scatter_nd,
+    );
+}

@@ -1,0 +1,417 @@
+//! The op-family tables: one macro per IR shape, so that each backend operation is one line.
+//!
+//! Every macro expands to trait methods of `StreamFusion<B>` that record the operation through
+//! [`super::record`]'s helpers: the IR is burn's own (built with burn-ir's `create` builders),
+//! the [`burn_ir::OperationIr`] variant is named in the table, and the run function calls the
+//! same-named method of the wrapped backend `B`.
+
+/// The `OperationIr` of an op IR `$ir` (a reference), under one of burn's variant families.
+/// `$dtype` is the dtype burn records with numeric and float families.
+macro_rules! wrap {
+    (Float, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::Float($dtype, burn_ir::FloatOperationIr::$v($ir.clone()))
+    };
+    (NumericFloat, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::NumericFloat($dtype, burn_ir::NumericOperationIr::$v($ir.clone()))
+    };
+    (NumericInt, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::NumericInt($dtype, burn_ir::NumericOperationIr::$v($ir.clone()))
+    };
+    (BaseFloat, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::BaseFloat(burn_ir::BaseOperationIr::$v($ir.clone()))
+    };
+    (BaseInt, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::BaseInt(burn_ir::BaseOperationIr::$v($ir.clone()))
+    };
+    (BaseBool, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::BaseBool(burn_ir::BaseOperationIr::$v($ir.clone()))
+    };
+    (Int, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::Int(burn_ir::IntOperationIr::$v($ir.clone()))
+    };
+    (Bool, $v:ident, $dtype:expr, $ir:expr) => {
+        burn_ir::OperationIr::Bool(burn_ir::BoolOperationIr::$v($ir.clone()))
+    };
+}
+
+/// `fn f(tensor) -> tensor`, recorded as a `UnaryOpIr`. `$get`/`$put` fetch the input and
+/// register the output with the backend's primitive of the right kind.
+macro_rules! unary_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(tensor: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::unary::<B>(
+                stringify!($f),
+                tensor,
+                None,
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    h.$put::<B>(&ir.out.id, B::$f(x));
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(lhs, rhs) -> tensor`, recorded as a `BinaryOpIr` (both operands of one kind).
+macro_rules! binary_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            lhs: $crate::backend::record::Tensor<B>,
+            rhs: $crate::backend::record::Tensor<B>,
+        ) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::binary::<B>(
+                stringify!($f),
+                lhs,
+                rhs,
+                None,
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let (l, r) = (h.$get::<B>(&ir.lhs), h.$get::<B>(&ir.rhs));
+                    h.$put::<B>(&ir.out.id, B::$f(l, r));
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(lhs, rhs: Scalar) -> tensor`, recorded as a `ScalarOpIr`.
+macro_rules! scalar_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            lhs: $crate::backend::record::Tensor<B>,
+            rhs: burn_backend::Scalar,
+        ) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::scalar::<B>(
+                stringify!($f),
+                lhs,
+                rhs.into(),
+                None,
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let l = h.$get::<B>(&ir.lhs);
+                    h.$put::<B>(&ir.out.id, B::$f(l, ir.rhs.into()));
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(lhs, rhs, out_dtype: BoolDType) -> bool tensor`, recorded as a `BinaryOpIr`.
+macro_rules! compare_ops {
+    ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            lhs: $crate::backend::record::Tensor<B>,
+            rhs: $crate::backend::record::Tensor<B>,
+            out_dtype: burn_backend::BoolDType,
+        ) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::binary::<B>(
+                stringify!($f),
+                lhs,
+                rhs,
+                Some(out_dtype.into()),
+                |ir| wrap!($fam, $v, ir.lhs.dtype, ir),
+                |ir, h| {
+                    let (l, r) = (h.$get::<B>(&ir.lhs), h.$get::<B>(&ir.rhs));
+                    let out = B::$f(l, r, ir.out.dtype.into());
+                    h.register_bool_tensor::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(lhs, rhs: Scalar, out_dtype: BoolDType) -> bool tensor`, recorded as a `ScalarOpIr`.
+macro_rules! compare_scalar_ops {
+    ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            lhs: $crate::backend::record::Tensor<B>,
+            rhs: burn_backend::Scalar,
+            out_dtype: burn_backend::BoolDType,
+        ) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::scalar::<B>(
+                stringify!($f),
+                lhs,
+                rhs.into(),
+                Some(out_dtype.into()),
+                |ir| wrap!($fam, $v, ir.lhs.dtype, ir),
+                |ir, h| {
+                    let l = h.$get::<B>(&ir.lhs);
+                    let out = B::$f(l, ir.rhs.into(), ir.out.dtype.into());
+                    h.register_bool_tensor::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(tensor) -> tensor` reducing every element to one, recorded as a `ReduceOpIr`.
+macro_rules! reduce_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(tensor: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| burn_ir::ReduceOpIr::create(i[0].clone(), id),
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    h.$put::<B>(&ir.out.id, B::$f(x));
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(tensor, dim) -> tensor` reducing `dim` to length 1, recorded as a `ReduceDimOpIr`.
+macro_rules! reduce_dim_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| burn_ir::ReduceDimOpIr::create(i[0].clone(), dim, 1, id),
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    h.$put::<B>(&ir.out.id, B::$f(x, ir.axis));
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(tensor, dim, out_dtype: IntDType) -> int tensor` (argmax, argmin), recorded as a
+/// `ReduceDimOpIr`.
+macro_rules! arg_reduce_ops {
+    ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            tensor: $crate::backend::record::Tensor<B>,
+            dim: usize,
+            out_dtype: burn_backend::IntDType,
+        ) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| burn_ir::ReduceDimOpIr::create_arg(i[0].clone(), dim, 1, out_dtype.into(), id),
+                |ir| wrap!($fam, $v, ir.input.dtype, ir),
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    let out = B::$f(x, ir.axis, ir.out.dtype.into());
+                    h.register_int_tensor::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(tensor, dim) -> tensor` of the same shape (cumulative ops), recorded as a `DimOpIr`.
+macro_rules! dim_ops {
+    ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| burn_ir::DimOpIr::create(i[0].clone(), dim, id),
+                |ir| wrap!($fam, $v, ir.out.dtype, ir),
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    h.$put::<B>(&ir.out.id, B::$f(x, ir.axis));
+                },
+            )
+        }
+    )*};
+}
+
+/// The operations every tensor kind has, with the kind's own method names: shape and indexing
+/// ops whose IR is in burn's `BaseOperationIr` family (`$fam` is `BaseFloat`, `BaseInt` or
+/// `BaseBool`). One `role: method` pair per operation; the role picks the signature and IR.
+macro_rules! base_ops {
+    ($get:ident, $put:ident, $fam:ident; $($role:ident: $f:ident),* $(,)?) => {$(
+        base_ops!(@$role $f, $get, $put, $fam);
+    )*};
+    (@reshape $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::ShapeOpIr::reshape(i[0].clone(), shape, id),
+                |ir| wrap!($fam, Reshape, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
+        }
+    };
+    (@expand $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::ShapeOpIr::expand(i[0].clone(), shape, id),
+                |ir| wrap!($fam, Expand, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
+        }
+    };
+    (@swap_dims $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim1: usize, dim2: usize) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::SwapDimsOpIr::create(i[0].clone(), dim1, dim2, id),
+                |ir| wrap!($fam, SwapDims, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim1, ir.dim2)); })
+        }
+    };
+    (@permute $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::PermuteOpIr::create(i[0].clone(), axes.to_vec(), id),
+                |ir| wrap!($fam, Permute, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
+        }
+    };
+    (@flip $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::FlipOpIr::create(i[0].clone(), axes.to_vec(), id),
+                |ir| wrap!($fam, Flip, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
+        }
+    };
+    (@unfold $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, size: usize, step: usize) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::UnfoldOpIr::create(i[0].clone(), dim, size, step, id),
+                |ir| wrap!($fam, Unfold, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, ir.size, ir.step)); })
+        }
+    };
+    (@slice $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice]) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
+                |i, id| burn_ir::SliceOpIr::create(i[0].clone(), slices.to_vec(), id),
+                |ir| wrap!($fam, Slice, ir.out.dtype, ir),
+                |ir, h| { let x = h.$get::<B>(&ir.tensor); h.$put::<B>(&ir.out.id, B::$f(x, &ir.ranges)); })
+        }
+    };
+    (@slice_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice], value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, value],
+                |i, id| burn_ir::SliceAssignOpIr::create(i[0].clone(), slices.to_vec(), i[1].clone(), id),
+                |ir| wrap!($fam, SliceAssign, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, v) = (h.$get::<B>(&ir.tensor), h.$get::<B>(&ir.value));
+                    h.$put::<B>(&ir.out.id, B::$f(x, &ir.ranges, v));
+                })
+        }
+    };
+    (@select $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices],
+                |i, id| burn_ir::SelectOpIr::create(i[0].clone(), dim, i[1].clone(), id),
+                |ir| wrap!($fam, Select, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices));
+                    h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx));
+                })
+        }
+    };
+    (@select_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices, value],
+                |i, id| burn_ir::SelectAssignOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
+                |ir| wrap!($fam, SelectAssign, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.value));
+                    h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx, v));
+                })
+        }
+    };
+    (@gather $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices],
+                |i, id| burn_ir::GatherOpIr::create(i[0].clone(), dim, i[1].clone(), id),
+                |ir| wrap!($fam, Gather, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices));
+                    h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx));
+                })
+        }
+    };
+    (@scatter $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices, value],
+                |i, id| burn_ir::ScatterOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
+                |ir| wrap!($fam, Scatter, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.value));
+                    h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx, v));
+                })
+        }
+    };
+    (@mask_where $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, mask, value],
+                |i, id| burn_ir::MaskWhereOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), id),
+                |ir| wrap!($fam, MaskWhere, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, m, v) = (h.$get::<B>(&ir.tensor), h.get_bool_tensor::<B>(&ir.mask), h.$get::<B>(&ir.value));
+                    h.$put::<B>(&ir.out.id, B::$f(x, m, v));
+                })
+        }
+    };
+    (@gather_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&data);
+            $crate::backend::record::record_one(&client, stringify!($f), [data, indices],
+                |i, id| burn_ir::GatherNdOpIr::create(i[0].clone(), i[1].clone(), id),
+                |ir| wrap!($fam, GatherNd, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx) = (h.$get::<B>(&ir.data), h.get_int_tensor::<B>(&ir.indices));
+                    h.$put::<B>(&ir.out.id, B::$f(x, idx));
+                })
+        }
+    };
+    (@scatter_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, values: $crate::backend::record::Tensor<B>, reduction: burn_backend::tensor::IndexingUpdateOp) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&data);
+            $crate::backend::record::record_one(&client, stringify!($f), [data, indices, values],
+                |i, id| burn_ir::ScatterNdOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), reduction, id),
+                |ir| wrap!($fam, ScatterNd, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, idx, v) = (h.$get::<B>(&ir.data), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.values));
+                    h.$put::<B>(&ir.out.id, B::$f(x, idx, v, ir.reduction));
+                })
+        }
+    };
+    (@mask_fill $f:ident, $get:ident, $put:ident, $fam:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: burn_backend::Scalar) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(&client, stringify!($f), [tensor, mask],
+                |i, id| burn_ir::MaskFillOpIr::create(i[0].clone(), i[1].clone(), value.into(), id),
+                |ir| wrap!($fam, MaskFill, ir.out.dtype, ir),
+                |ir, h| {
+                    let (x, m) = (h.$get::<B>(&ir.tensor), h.get_bool_tensor::<B>(&ir.mask));
+                    h.$put::<B>(&ir.out.id, B::$f(x, m, ir.value.into()));
+                })
+        }
+    };
+}
+
+pub(crate) use {
+    arg_reduce_ops, base_ops, binary_ops, compare_ops, compare_scalar_ops, dim_ops, reduce_dim_ops,
+    reduce_ops, scalar_ops, unary_ops, wrap,
+};

@@ -1,0 +1,248 @@
+//! [`StreamFusion`]: a burn [`Backend`] whose operations are recorded on this crate's per-thread
+//! streams, so burn code gets shared views, foreign drops and errors that travel with the data,
+//! unchanged.
+//!
+//! `StreamFusion<B>` wraps any backend `B` that speaks burn's IR ([`BackendIr`]; every
+//! `FusionBackend` does, and so does `burn-ndarray`). Its tensor primitives are
+//! [`FusionTensor`]s over a [`BackendRuntime<B>`] whose handles are `B`'s own. Each operation
+//! records burn's [`burn_ir::OperationIr`] and a function that runs `B`'s same-named operation on
+//! the stream's handles, lazily, when the stream drains:
+//!
+//! * a tensor cloned, used or dropped on another thread goes through a shared view or a foreign
+//!   drop, exactly as in the engine (see [`crate::MultiStream`]);
+//! * `B`'s operation panicking is recorded on the outputs and surfaces from `into_data` as a
+//!   burn [`ExecutionError`] with the root cause's message;
+//! * `into_data` does its eager part at the call (drain the stream, take the handle) and returns
+//!   `B`'s own future for the copy; `sync` drains the calling thread's stream, then runs `B::sync`.
+//!
+//! ```
+//! use burn_backend::{Backend, TensorData, ops::FloatTensorOps};
+//! use burn_ndarray::NdArray;
+//! use fusion_streams::backend::StreamFusion;
+//!
+//! type B = StreamFusion<NdArray<f32>>;
+//! let device = Default::default();
+//! let x = B::float_from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &device);
+//! let y = B::float_exp(B::float_mul_scalar(x, 0.0.into())); // queued on this thread's stream
+//! let moved = std::thread::spawn(move || B::float_add_scalar(y, 1.0.into())).join().unwrap();
+//! let data = burn_backend::read_sync(B::float_into_data(moved)).unwrap();
+//! assert_eq!(data.to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+//! ```
+
+mod bool;
+mod float;
+mod int;
+pub(crate) mod macros;
+mod module;
+mod qtensor;
+pub(crate) mod record;
+mod runtime;
+
+use std::any::{Any, TypeId};
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
+
+use burn_backend::QTensorPrimitive;
+use burn_backend::quantization::QuantScheme;
+use burn_backend::tensor::Device;
+use burn_backend::{
+    Backend, BackendTypes, DType, DTypeUsageSet, Device as _, DeviceId, ExecutionError, TensorData,
+};
+use burn_ir::{BackendIr, TensorHandle};
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+pub use record::Tensor;
+pub use runtime::{BackendContext, BackendRuntime};
+use runtime::{Kind, to_execution_error};
+
+use crate::stream::Entry;
+use crate::{EngineConfig, FusionClient};
+
+/// A burn backend over this crate's per-thread streams: see the [module docs](self).
+pub struct StreamFusion<B>(PhantomData<fn() -> B>);
+
+impl<B> Clone for StreamFusion<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for StreamFusion<B> {}
+impl<B> Default for StreamFusion<B> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
+impl<B> fmt::Debug for StreamFusion<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StreamFusion<{}>", std::any::type_name::<B>())
+    }
+}
+
+type Clients = Mutex<HashMap<(TypeId, DeviceId), Arc<dyn Any + Send + Sync>>>;
+
+fn clients() -> &'static Clients {
+    static CLIENTS: OnceLock<Clients> = OnceLock::new();
+    CLIENTS.get_or_init(Default::default)
+}
+
+impl<B: BackendIr> StreamFusion<B> {
+    /// The engine of `device`: one per backend type and device, opened on first use with the
+    /// default [`EngineConfig`] (see [`StreamFusion::configure`]).
+    pub fn client(device: &B::Device) -> FusionClient<BackendRuntime<B>> {
+        let key = (TypeId::of::<B>(), device.to_id());
+        let mut clients = clients().lock();
+        let entry = clients.entry(key).or_insert_with(|| {
+            let client = FusionClient::<BackendRuntime<B>>::new(device.clone())
+                .expect("opening a burn backend device cannot fail");
+            Arc::new(client)
+        });
+        entry
+            .downcast_ref::<FusionClient<BackendRuntime<B>>>()
+            .expect("one client type per key")
+            .clone()
+    }
+
+    /// Open `device`'s engine with `config`, before its first use. Returns `false` (and changes
+    /// nothing) if the engine was already open.
+    pub fn configure(device: &B::Device, config: EngineConfig) -> bool {
+        let key = (TypeId::of::<B>(), device.to_id());
+        let mut clients = clients().lock();
+        if clients.contains_key(&key) {
+            return false;
+        }
+        let client = FusionClient::<BackendRuntime<B>>::with_config(device.clone(), config)
+            .expect("opening a burn backend device cannot fail");
+        clients.insert(key, Arc::new(client));
+        true
+    }
+
+    /// The wrapped backend's default quantization scheme (what burn's `Dispatch` backend offers
+    /// under the same name; burn's backend test suite uses it).
+    pub fn default_quant_scheme(_device: &B::Device) -> QuantScheme {
+        <Tensor<B> as QTensorPrimitive>::default_scheme()
+    }
+
+    /// Upload host data to `device` (eager, as burn's `from_data`).
+    pub(crate) fn upload(data: TensorData, device: &B::Device) -> Tensor<B> {
+        Self::client(device)
+            .from_data(data)
+            .unwrap_or_else(|error| panic!("from_data: {error}"))
+    }
+
+    /// A tensor's data: the drain and the taking of its handle happen now, the copy in `B`'s
+    /// future. An error recorded on the tensor is the future's error.
+    pub(crate) fn download(
+        tensor: Tensor<B>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        let (shape, dtype) = (tensor.shape().clone(), tensor.dtype());
+        let read = tensor
+            .into_handle()
+            .map(|handle| BackendRuntime::<B>::into_data_future(handle, shape, dtype));
+        async move {
+            match read {
+                Ok(future) => future.await,
+                Err(error) => Err(to_execution_error(error)),
+            }
+        }
+    }
+
+    /// `tensor` on `device`: the same tensor if it is there already, otherwise `B`'s own copy of
+    /// its (materialised) handle, registered on the current stream of `device`'s engine.
+    pub(crate) fn move_to(tensor: Tensor<B>, device: &B::Device) -> Tensor<B> {
+        if tensor.client().device() == device {
+            return tensor;
+        }
+        let (shape, dtype) = (tensor.shape().clone(), tensor.dtype());
+        let entry = match tensor.into_handle() {
+            Ok(handle) => {
+                let t = TensorHandle {
+                    handle,
+                    shape: shape.clone(),
+                };
+                Entry::Handle(match Kind::of(dtype) {
+                    Kind::Float => {
+                        B::float_tensor_handle(B::float_to_device(B::float_tensor(t), device))
+                    }
+                    Kind::Int => B::int_tensor_handle(B::int_to_device(B::int_tensor(t), device)),
+                    Kind::Bool => {
+                        B::bool_tensor_handle(B::bool_to_device(B::bool_tensor(t), device))
+                    }
+                    Kind::Quantized => {
+                        B::quantized_tensor_handle(B::q_to_device(B::quantized_tensor(t), device))
+                    }
+                })
+            }
+            Err(error) => Entry::Failed(error),
+        };
+        Self::client(device).adopt(entry, shape, dtype)
+    }
+}
+
+impl<B: BackendIr> BackendTypes for StreamFusion<B> {
+    type Device = B::Device;
+    type FloatTensorPrimitive = Tensor<B>;
+    type FloatElem = B::FloatElem;
+    type IntTensorPrimitive = Tensor<B>;
+    type IntElem = B::IntElem;
+    type BoolTensorPrimitive = Tensor<B>;
+    type BoolElem = B::BoolElem;
+    type QuantizedTensorPrimitive = Tensor<B>;
+}
+
+impl<B: BackendIr> Backend for StreamFusion<B> {
+    fn name(device: &Self::Device) -> String {
+        format!("stream-fusion<{}>", B::name(device))
+    }
+
+    fn seed(device: &Self::Device, seed: u64) {
+        B::seed(device, seed);
+    }
+
+    fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
+        let client = Self::client(device);
+        client.drain();
+        B::sync(device)
+    }
+
+    fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {
+        B::dtype_usage(device, dtype)
+    }
+
+    fn device_count(type_id: u16) -> usize {
+        B::device_count(type_id)
+    }
+
+    fn ad_enabled(_device: &Self::Device) -> bool {
+        false
+    }
+
+    fn memory_cleanup(device: &Self::Device) {
+        B::memory_cleanup(device);
+    }
+}
+
+impl<B: BackendIr> burn_backend::ops::TransactionOps<Self> for StreamFusion<B> {}
+impl<B: BackendIr> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {}
+
+/// Quantized tensors carry their scheme in their dtype; the default scheme is the wrapped
+/// backend's.
+impl<B: BackendIr> QTensorPrimitive for Tensor<B> {
+    fn scheme(&self) -> &QuantScheme {
+        match &self.inner.dtype {
+            DType::QFloat(scheme) => scheme,
+            other => panic!("quantization scheme of a {other:?} tensor"),
+        }
+    }
+
+    fn default_scheme() -> QuantScheme {
+        <B::QuantizedTensorPrimitive as QTensorPrimitive>::default_scheme()
+    }
+}
+
+/// The device of a tensor of this backend.
+pub(crate) fn device_of<B: BackendIr>(tensor: &Tensor<B>) -> Device<StreamFusion<B>> {
+    tensor.client().device().clone()
+}

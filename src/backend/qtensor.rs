@@ -1,0 +1,82 @@
+//! Quantized tensor operations of [`StreamFusion`] (for backends that support quantization).
+
+use burn_backend::ops::QTensorOps;
+use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
+use burn_backend::tensor::{Device, FloatTensor, QuantizedTensor};
+use burn_backend::{ExecutionError, FloatDType, TensorData};
+use burn_ir::{
+    BackendIr, DequantizeOpIr, FloatOperationIr, OperationIr, QuantizationParametersIr,
+    QuantizeOpIr,
+};
+
+use super::StreamFusion;
+use super::macros::*;
+use super::record::{client_of, record_one};
+
+impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
+    fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
+        Self::upload(data, device)
+    }
+
+    fn quantize(
+        tensor: FloatTensor<Self>,
+        scheme: &QuantScheme,
+        qparams: QuantizationParametersPrimitive<Self>,
+    ) -> QuantizedTensor<Self> {
+        let client = client_of(&tensor);
+        let scheme = *scheme;
+        record_one(
+            &client,
+            "quantize",
+            [tensor, qparams.scales],
+            |i, id| {
+                let qparams = QuantizationParametersIr {
+                    scales: i[1].clone(),
+                };
+                QuantizeOpIr::create(i[0].clone(), qparams, scheme, id)
+            },
+            |ir| OperationIr::Float(ir.tensor.dtype, FloatOperationIr::Quantize(ir.clone())),
+            |ir, h| {
+                let x = h.get_float_tensor::<B>(&ir.tensor);
+                let scales = h.get_float_tensor::<B>(&ir.qparams.scales);
+                let qparams = QuantizationParametersPrimitive { scales };
+                let out = B::quantize(x, &ir.scheme, qparams);
+                h.register_quantized_tensor::<B>(&ir.out.id, out);
+            },
+        )
+    }
+
+    fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        let client = client_of(&tensor);
+        record_one(
+            &client,
+            "dequantize",
+            [tensor],
+            |i, id| DequantizeOpIr::create(i[0].clone(), dtype.into(), id),
+            |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Dequantize(ir.clone())),
+            |ir, h| {
+                let x = h.get_quantized_tensor::<B>(&ir.input);
+                h.register_float_tensor::<B>(&ir.out.id, B::dequantize(x, ir.out.dtype.into()));
+            },
+        )
+    }
+
+    fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
+        super::device_of(tensor)
+    }
+
+    fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
+        Self::move_to(tensor, device)
+    }
+
+    fn q_into_data(
+        tensor: QuantizedTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        Self::download(tensor)
+    }
+
+    base_ops!(get_quantized_tensor, register_quantized_tensor, BaseFloat;
+        reshape: q_reshape, expand: q_expand, swap_dims: q_swap_dims, permute: q_permute,
+        flip: q_flip, select: q_select, slice: q_slice,
+    );
+}

@@ -1,0 +1,278 @@
+//! [`BackendRuntime`]: the engine's runtime over any burn backend that speaks burn's IR.
+//!
+//! Handles are the backend's own [`BackendIr::Handle`]s, stored in the engine's per-stream
+//! handle maps exactly as burn-fusion stores them; an alias is a clone of the handle, and the
+//! backend's own primitives decide in-place reuse (NdArray and cubecl both refuse it while a
+//! second owner of the buffer exists, which is what a view is).
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use burn_backend::{Backend, DType, ExecutionError, Shape, TensorData, TensorMetadata};
+use burn_fusion::FusionRuntime;
+use burn_ir::{BackendIr, TensorHandle, TensorIr};
+
+use crate::host::Unfused;
+use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
+use crate::{Error, Result};
+
+/// The engine's runtime over the burn backend `B`: its handles are `B`'s own handles, an alias
+/// is a clone of one, and `B`'s operations decide in-place reuse on their primitives (NdArray and
+/// cubecl refuse it while a second owner of the buffer, such as a view, exists).
+pub struct BackendRuntime<B>(PhantomData<fn() -> B>);
+
+impl<B> fmt::Debug for BackendRuntime<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BackendRuntime<{}>", std::any::type_name::<B>())
+    }
+}
+
+impl<B: BackendIr> FusionRuntime for BackendRuntime<B> {
+    type OptimizationState = ();
+    type Optimization = Unfused;
+    type FusionHandle = B::Handle;
+    type FusionDevice = B::Device;
+
+    fn fusers(_: B::Device) -> Vec<Box<dyn burn_fusion::OperationFuser<Unfused>>> {
+        Vec::new()
+    }
+}
+
+/// The per-device state of a [`BackendRuntime`]: the backend's device.
+pub struct BackendContext<B: Backend> {
+    device: B::Device,
+}
+
+impl<B: Backend> BackendContext<B> {
+    /// The backend's device.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+}
+
+impl<B: Backend> fmt::Debug for BackendContext<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendContext")
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// How a tensor of `dtype` is held by a burn backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Float,
+    Int,
+    Bool,
+    Quantized,
+}
+
+impl Kind {
+    pub(crate) fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::QFloat(_) => Kind::Quantized,
+            DType::Bool(_) => Kind::Bool,
+            d if d.is_float() => Kind::Float,
+            _ => Kind::Int,
+        }
+    }
+}
+
+/// A burn backend error as this crate's error.
+pub(crate) fn execution_error(what: &str, error: ExecutionError) -> Error {
+    Error::KernelFailed {
+        kernel: what.into(),
+        message: error.to_string().into(),
+    }
+}
+
+/// This crate's error as burn's: the root cause's message.
+pub(crate) fn to_execution_error(error: Error) -> ExecutionError {
+    ExecutionError::WithContext {
+        reason: error.to_string(),
+    }
+}
+
+/// Wait for a backend future on the calling thread (burn's data futures are ready at once on
+/// CPU backends, and resolve once the device has copied the data on GPU backends).
+pub(crate) fn block_on<F: Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+impl<B: BackendIr> BackendRuntime<B> {
+    /// The backend primitive a handle of `dtype` and `shape` stands for, as a handle again (the
+    /// identity on the handle; it checks the kind on backends that tag their handles).
+    pub(crate) fn tensor_handle(handle: B::Handle, shape: Shape) -> TensorHandle<B::Handle> {
+        TensorHandle { handle, shape }
+    }
+
+    /// The data of a handle (the backend's own read, awaited on this thread).
+    pub(crate) fn into_data_future(
+        handle: B::Handle,
+        shape: Shape,
+        dtype: DType,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>> {
+        let t = Self::tensor_handle(handle, shape);
+        match Kind::of(dtype) {
+            Kind::Float => Box::pin(B::float_into_data(B::float_tensor(t))),
+            Kind::Int => Box::pin(B::int_into_data(B::int_tensor(t))),
+            Kind::Bool => Box::pin(B::bool_into_data(B::bool_tensor(t))),
+            Kind::Quantized => Box::pin(B::q_into_data(B::quantized_tensor(t))),
+        }
+    }
+}
+
+impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
+    type Context = BackendContext<B>;
+
+    fn name() -> &'static str {
+        "burn backend"
+    }
+
+    fn open(device: &B::Device) -> Result<BackendContext<B>> {
+        Ok(BackendContext {
+            device: device.clone(),
+        })
+    }
+
+    fn upload(ctx: &BackendContext<B>, data: &TensorData) -> Result<B::Handle> {
+        let data = data.clone();
+        let device = &ctx.device;
+        // The backend panics on data it cannot hold: contained, as a typed error.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match Kind::of(data.dtype) {
+                Kind::Float => B::float_tensor_handle(B::float_from_data(data, device)),
+                Kind::Int => B::int_tensor_handle(B::int_from_data(data, device)),
+                Kind::Bool => B::bool_tensor_handle(B::bool_from_data(data, device)),
+                Kind::Quantized => B::quantized_tensor_handle(B::q_from_data(data, device)),
+            }
+        }))
+        .map_err(|payload| Error::from_kernel_panic("from_data", payload))
+    }
+
+    fn read(
+        _ctx: &BackendContext<B>,
+        handle: &B::Handle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        let future = Self::into_data_future(handle.clone(), shape.clone(), dtype);
+        block_on(future).map_err(|e| execution_error("read", e))
+    }
+
+    fn can_mut(_handle: &B::Handle) -> bool {
+        // The engine's built-in kernels never write in place on a burn backend: the backend's own
+        // operations decide that on their primitives.
+        false
+    }
+
+    fn synchronize(ctx: &BackendContext<B>) -> Result<()> {
+        B::sync(&ctx.device).map_err(|e| execution_error("sync", e))
+    }
+
+    fn supports(kernel: &Kernel, dtype: DType) -> bool {
+        match kernel {
+            Kernel::Add | Kernel::Mul | Kernel::Sum | Kernel::Fill(_) => {
+                dtype.is_float() || dtype.is_int()
+            }
+            Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype.is_float(),
+            // A burn backend has no way to fail on its device on demand.
+            Kernel::FailOnDevice => false,
+        }
+    }
+
+    fn launch(
+        ctx: &BackendContext<B>,
+        kernel: &Kernel,
+        mut inputs: KernelInputs<'_, B::Handle>,
+        out: &TensorIr,
+    ) -> Result<B::Handle> {
+        let mut take = |i: usize| {
+            let input = &mut inputs[i];
+            Self::tensor_handle(input.handle.clone(), input.ir.shape.clone())
+        };
+        let float = out.dtype.is_float();
+        Ok(match (kernel, float) {
+            (Kernel::Add, true) => B::float_tensor_handle(B::float_add(
+                B::float_tensor(take(0)),
+                B::float_tensor(take(1)),
+            )),
+            (Kernel::Add, false) => {
+                B::int_tensor_handle(B::int_add(B::int_tensor(take(0)), B::int_tensor(take(1))))
+            }
+            (Kernel::Mul, true) => B::float_tensor_handle(B::float_mul(
+                B::float_tensor(take(0)),
+                B::float_tensor(take(1)),
+            )),
+            (Kernel::Mul, false) => {
+                B::int_tensor_handle(B::int_mul(B::int_tensor(take(0)), B::int_tensor(take(1))))
+            }
+            (Kernel::Scale(f), _) => {
+                B::float_tensor_handle(B::float_mul_scalar(B::float_tensor(take(0)), (*f).into()))
+            }
+            (Kernel::Exp, _) => B::float_tensor_handle(B::float_exp(B::float_tensor(take(0)))),
+            (Kernel::Sum, true) => B::float_tensor_handle(B::float_reshape(
+                B::float_sum(B::float_tensor(take(0))),
+                out.shape.clone(),
+            )),
+            (Kernel::Sum, false) => B::int_tensor_handle(B::int_reshape(
+                B::int_sum(B::int_tensor(take(0))),
+                out.shape.clone(),
+            )),
+            (Kernel::Matmul, _) => B::float_tensor_handle(B::float_matmul(
+                B::float_tensor(take(0)),
+                B::float_tensor(take(1)),
+            )),
+            (Kernel::Fill(v), true) => B::float_tensor_handle(B::float_full(
+                out.shape.clone(),
+                (*v).into(),
+                &ctx.device,
+                out.dtype.into(),
+            )),
+            (Kernel::Fill(v), false) => B::int_tensor_handle(B::int_full(
+                out.shape.clone(),
+                (*v as i64).into(),
+                &ctx.device,
+                out.dtype.into(),
+            )),
+            (Kernel::FailOnDevice, _) => {
+                return Err(Error::UnsupportedDType {
+                    op: kernel.name(),
+                    dtype: out.dtype,
+                });
+            }
+        })
+    }
+}
+
+/// `FusionTensor`s are burn tensor primitives.
+impl<R: StreamRuntime> TensorMetadata for crate::FusionTensor<R> {
+    fn dtype(&self) -> DType {
+        crate::FusionTensor::dtype(self)
+    }
+
+    fn shape(&self) -> Shape {
+        crate::FusionTensor::shape(self).clone()
+    }
+
+    fn rank(&self) -> usize {
+        crate::FusionTensor::shape(self).num_dims()
+    }
+}
