@@ -1,69 +1,214 @@
-//! `StreamFusion<NdArray>` as a burn backend: each op family against plain NdArray, and the
-//! cross-thread behaviour burn users rely on.
+//! `StreamFusion<NdArray>` as a burn backend, through burn's own `Tensor` API.
+//!
+//! * One test per op family: the same program on `StreamFusion<NdArray>` and on plain `NdArray`
+//!   must give the same data, bit for bit (the same kernels run, only recorded lazily first).
+//!
+//! The multi-thread programs burn users hit bugs with are in `backend_threads.rs`.
 
-use burn_backend::ops::{BoolTensorOps, FloatTensorOps, IntTensorOps};
-use burn_backend::{BoolDType, FloatDType, IntDType, Scalar, TensorData, read_sync};
+use burn_backend::Backend;
 use burn_ndarray::NdArray;
+use burn_tensor::activation::{gelu, relu, sigmoid, softmax};
+use burn_tensor::module::{avg_pool2d, conv2d, max_pool2d, max_pool2d_with_indices};
+use burn_tensor::ops::ConvOptions;
+use burn_tensor::{
+    Bool, Distribution, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, Transaction,
+    s,
+};
 use fusion_streams::backend::StreamFusion;
 
 type Plain = NdArray<f32>;
-type B = StreamFusion<Plain>;
+type Ours = StreamFusion<Plain>;
 
-fn data(v: &[f32], shape: &[usize]) -> TensorData {
-    TensorData::new(v.to_vec(), shape.to_vec())
+/// Run `$body` (a program over a generic backend `B` on `device`, returning the data it reads)
+/// on both backends and require identical results.
+macro_rules! same_on_both {
+    ($($name:ident: |$device:ident| $body:block)*) => {$(
+        #[test]
+        fn $name() {
+            fn program<B: Backend>($device: &B::Device) -> Vec<TensorData> $body
+            let ours = program::<Ours>(&Default::default());
+            let plain = program::<Plain>(&Default::default());
+            assert_eq!(ours, plain);
+            assert!(!ours.is_empty());
+        }
+    )*};
 }
 
-#[test]
-fn float_chain_matches_ndarray() {
-    let device = Default::default();
-    let a = data(&[1.0, -2.0, 3.5, 4.0, 0.5, -1.0], &[2, 3]);
-    let run_ours = || {
-        let x = B::float_from_data(a.clone(), &device);
-        let y = B::float_exp(B::float_mul_scalar(x.clone(), Scalar::Float(0.5)));
-        let z = B::float_add(y, x);
-        let s = B::float_sum_dim(z, 1);
-        read_sync(B::float_into_data(s)).unwrap()
-    };
-    let run_plain = || {
-        let x = Plain::float_from_data(a.clone(), &device);
-        let y = Plain::float_exp(Plain::float_mul_scalar(x.clone(), Scalar::Float(0.5)));
-        let z = Plain::float_add(y, x);
-        let s = Plain::float_sum_dim(z, 1);
-        read_sync(Plain::float_into_data(s)).unwrap()
-    };
-    assert_eq!(run_ours(), run_plain());
+fn m<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
+    Tensor::from_data([[1.0, -2.0, 3.5], [0.25, 4.0, -0.5]], device)
 }
 
-#[test]
-fn cross_thread_clone_and_drop() {
-    let device = Default::default();
-    let x = B::float_from_data(data(&[1.0, 2.0], &[2]), &device);
-    let y = B::float_mul_scalar(x, Scalar::Float(3.0)); // pending
-    let y2 = y.clone();
-    let z = std::thread::spawn(move || B::float_add_scalar(y2, Scalar::Float(1.0)))
-        .join()
-        .unwrap();
-    let got = read_sync(B::float_into_data(z)).unwrap();
-    assert_eq!(got.to_vec::<f32>().unwrap(), vec![4.0, 7.0]);
-    let mask = B::float_greater_elem(y, Scalar::Float(4.0), BoolDType::Native);
-    let ints = B::bool_into_int(mask, IntDType::I64);
-    let total = B::int_sum(ints);
-    assert_eq!(
-        read_sync(B::int_into_data(total))
-            .unwrap()
-            .to_vec::<i64>()
-            .unwrap(),
-        vec![1]
-    );
-    let f = B::int_into_float(
-        B::int_from_data(TensorData::new(vec![1i64, 2], [2]), &device),
-        FloatDType::F32,
-    );
-    assert_eq!(
-        read_sync(B::float_into_data(f))
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap(),
-        vec![1.0, 2.0]
-    );
+same_on_both! {
+    float_unary_ops: |d| {
+        let x = m::<B>(d);
+        vec![
+            x.clone().exp().into_data(),
+            x.clone().abs().log().into_data(),
+            x.clone().abs().sqrt().into_data(),
+            x.clone().sin().cos().tanh().into_data(),
+            x.clone().recip().into_data(),
+            x.clone().round().into_data(),
+            x.clone().floor().into_data(),
+            x.clone().ceil().into_data(),
+            x.clone().erf().into_data(),
+            x.neg().into_data(),
+        ]
+    }
+
+    float_binary_and_scalar_ops_broadcast: |d| {
+        let x = m::<B>(d);
+        let row = Tensor::<B, 2>::from_data([[2.0, 0.5, -1.0]], d);
+        vec![
+            (x.clone() + row.clone()).into_data(),
+            (x.clone() - row.clone()).into_data(),
+            (x.clone() * row.clone()).into_data(),
+            (x.clone() / row.clone()).into_data(),
+            x.clone().abs().powf(row.clone()).into_data(),
+            x.clone().remainder(x.clone().abs() + 1.0).into_data(),
+            x.clone().atan2(row).into_data(),
+            (x.clone() * 3.0 + 1.5 - 0.25).div_scalar(2.0).into_data(),
+            x.powf_scalar(2.0).into_data(),
+        ]
+    }
+
+    comparisons_masks_and_bools: |d| {
+        let x = m::<B>(d);
+        let mask = x.clone().greater_elem(0.5);
+        let other = x.clone().lower_equal(x.clone().neg());
+        vec![
+            mask.clone().into_data(),
+            other.clone().into_data(),
+            mask.clone().bool_and(other.clone()).into_data(),
+            mask.clone().bool_or(other.clone().bool_not()).into_data(),
+            x.clone().mask_fill(mask.clone(), 9.0).into_data(),
+            x.clone().mask_where(mask.clone(), x.clone() * 10.0).into_data(),
+            mask.clone().int().into_data(),
+            mask.float().into_data(),
+            x.clone().equal(x).into_data(),
+        ]
+    }
+
+    reductions: |d| {
+        let x = m::<B>(d);
+        vec![
+            x.clone().sum().into_data(),
+            x.clone().sum_dim(1).into_data(),
+            x.clone().mean_dim(0).into_data(),
+            x.clone().prod().into_data(),
+            x.clone().max().into_data(),
+            x.clone().min_dim(1).into_data(),
+            x.clone().argmax(1).into_data(),
+            x.clone().max_dim_with_indices(0).1.into_data(),
+            x.clone().cumsum(1).into_data(),
+            x.abs().max_abs_dim(1).into_data(),
+        ]
+    }
+
+    shape_and_indexing_ops: |d| {
+        let x = m::<B>(d);
+        let idx = Tensor::<B, 1, Int>::from_data([2, 0], d);
+        let gather_idx = Tensor::<B, 2, Int>::from_data([[0, 0, 1], [1, 0, 0]], d);
+        vec![
+            x.clone().reshape([3, 2]).into_data(),
+            x.clone().swap_dims(0, 1).into_data(),
+            x.clone().permute([1, 0]).into_data(),
+            x.clone().flip([1]).into_data(),
+            x.clone().slice(s![.., 1..]).into_data(),
+            x.clone().slice_assign(s![0..1, 0..2], Tensor::zeros([1, 2], d)).into_data(),
+            x.clone().select(1, idx.clone()).into_data(),
+            x.clone().select_assign(1, idx, Tensor::ones([2, 2], d), IndexingUpdateOp::Add).into_data(),
+            x.clone().gather(0, gather_idx.clone()).into_data(),
+            x.clone().scatter(0, gather_idx, Tensor::ones([2, 3], d), IndexingUpdateOp::Add).into_data(),
+            Tensor::cat(vec![x.clone(), x.clone()], 0).into_data(),
+            x.clone().repeat_dim(1, 2).into_data(),
+            x.clone().slice(s![0..1, ..]).expand([4, 3]).into_data(),
+            x.unfold::<3, _>(1, 2, 1).into_data(),
+        ]
+    }
+
+    matmul_and_cross: |d| {
+        let x = m::<B>(d);
+        let y = x.clone().transpose();
+        let a = Tensor::<B, 2>::from_data([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], d);
+        let b = Tensor::<B, 2>::from_data([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], d);
+        vec![x.clone().matmul(y).into_data(), a.cross(b, 1).into_data(), x.into_data()]
+    }
+
+    int_ops: |d| {
+        let a = Tensor::<B, 1, Int>::from_data([7, -3, 12, 5], d);
+        let b = Tensor::<B, 1, Int>::from_data([2, 4, -5, 3], d);
+        vec![
+            (a.clone() + b.clone()).into_data(),
+            (a.clone() * b.clone() - 1).into_data(),
+            (a.clone() / b.clone()).into_data(),
+            a.clone().remainder(b.clone()).into_data(),
+            a.clone().bitwise_and(b.clone()).into_data(),
+            a.clone().bitwise_xor_scalar(6.elem()).into_data(),
+            a.clone().bitwise_left_shift_scalar(2.elem()).into_data(),
+            a.clone().abs().into_data(),
+            a.clone().sum().into_data(),
+            a.clone().cumprod(0).into_data(),
+            a.clone().greater(b).into_data(),
+            a.clone().float().into_data(),
+            a.reshape([2, 2]).matmul(Tensor::<B, 2, Int>::from_data([[1, 2], [3, 4]], d)).into_data(),
+        ]
+    }
+
+    bool_ops: |d| {
+        let a = Tensor::<B, 2, Bool>::from_data([[true, false], [false, true]], d);
+        let b = Tensor::<B, 2, Bool>::from_data([[true, true], [false, false]], d);
+        vec![
+            a.clone().bool_and(b.clone()).into_data(),
+            a.clone().equal(b.clone()).into_data(),
+            a.clone().bool_not().into_data(),
+            a.clone().swap_dims(0, 1).into_data(),
+            a.clone().any().into_data(),
+            b.all().into_data(),
+            Tensor::<B, 2, Bool>::cat(vec![a.clone(), a.clone()], 1).into_data(),
+            a.argwhere().into_data(),
+        ]
+    }
+
+    module_ops: |d| {
+        let x = Tensor::<B, 4>::from_data(
+            TensorData::new((0..32).map(|i| (i % 7) as f32 - 3.0).collect::<Vec<_>>(), [1, 2, 4, 4]),
+            d,
+        );
+        let w = Tensor::<B, 4>::from_data(
+            TensorData::new((0..36).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect::<Vec<_>>(), [2, 2, 3, 3]),
+            d,
+        );
+        let bias = Tensor::<B, 1>::from_data([0.5, -0.5], d);
+        let (pooled, indices) = max_pool2d_with_indices(x.clone(), [2, 2], [2, 2], [0, 0], [1, 1], false);
+        vec![
+            conv2d(x.clone(), w, Some(bias), ConvOptions::new([1, 1], [1, 1], [1, 1], 1)).into_data(),
+            max_pool2d(x.clone(), [2, 2], [1, 1], [0, 0], [1, 1], false).into_data(),
+            avg_pool2d(x.clone(), [2, 2], [2, 2], [0, 0], true, false).into_data(),
+            pooled.into_data(),
+            indices.into_data(),
+        ]
+    }
+
+    activations: |d| {
+        let x = m::<B>(d);
+        vec![
+            relu(x.clone()).into_data(),
+            gelu(x.clone()).into_data(),
+            sigmoid(x.clone()).into_data(),
+            softmax(x, 1).into_data(),
+        ]
+    }
+
+    seeded_random_and_transactions: |d| {
+        B::seed(d, 42);
+        let r = Tensor::<B, 2>::random([3, 4], Distribution::Normal(0.0, 1.0), d);
+        let u = Tensor::<B, 2>::random([2, 2], Distribution::Uniform(-1.0, 1.0), d);
+        let [a, b]: [TensorData; 2] = Transaction::default()
+            .register(r.clone() * 2.0)
+            .register(u)
+            .execute()
+            .try_into()
+            .unwrap();
+        vec![r.into_data(), a, b]
+    }
 }
