@@ -37,6 +37,8 @@
 //! * [`runtime`] — what the engine needs from a device ([`runtime::StreamRuntime`]), and the
 //!   embedded asynchronous CPU device [`host::HostRuntime`].
 //! * [`transfer`] — held sessions, source publication, pinned downloads, the retirement queue.
+//! * [`backend`] — [`backend::StreamFusion`], a burn `Backend` over the engine for any backend
+//!   that speaks burn's IR.
 //!
 //! ## Feature flags
 //!

@@ -1,0 +1,143 @@
+//! `StreamFusion<B>` against `B` itself, side by side in one run, through burn's `Tensor` API.
+//!
+//! `cargo bench --bench backend` prints a timing line per measurement and, at the end, one
+//! `ratio <name>: <x>` line per comparison, where `x` is the plain backend's time over ours
+//! (1.0 = no overhead, below 1.0 = ours is slower):
+//!
+//! 1. `chain/<n>`: a chain of 1,000 elementwise ops on a tensor of `n` f32, then a read, on one
+//!    thread: the engine's per-op overhead against the op's own cost;
+//! 2. `threads/<T>`: T threads, each running a small MLP forward pass repeatedly on its own
+//!    data (its own stream), against the same on plain `B`: how the engine scales with threads.
+//!
+//! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
+//! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
+//! `CubeBackend<CudaRuntime>` instead of `NdArray`.
+
+use std::time::{Duration, Instant};
+
+use burn_backend::Backend;
+use burn_tensor::activation::relu;
+use burn_tensor::{Tensor, TensorData};
+use fusion_streams::backend::StreamFusion;
+
+#[cfg(not(feature = "cuda"))]
+type Plain = burn_ndarray::NdArray<f32>;
+#[cfg(feature = "cuda")]
+type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+type Ours = StreamFusion<Plain>;
+
+fn quick() -> bool {
+    std::env::var_os("FUSION_STREAMS_BENCH_QUICK").is_some()
+}
+
+fn data(n: usize, seed: usize) -> TensorData {
+    let values = (0..n)
+        .map(|i| (((i * 31 + seed) % 17) as f32 - 8.0) / 64.0)
+        .collect::<Vec<_>>();
+    TensorData::new(values, [n])
+}
+
+/// 1,000 cheap elementwise ops, alternating so values stay bounded, then a read.
+fn chain<B: Backend>(device: &B::Device, n: usize) -> Duration {
+    let x = Tensor::<B, 1>::from_data(data(n, 1), device);
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    let mut t = x;
+    for i in 0..1000 {
+        t = match i % 4 {
+            0 => t * 1.5,
+            1 => t.tanh(),
+            2 => t + 0.25,
+            _ => t.abs(),
+        };
+    }
+    let out = t.into_data();
+    let elapsed = start.elapsed();
+    std::hint::black_box(out);
+    elapsed
+}
+
+/// A small MLP forward pass (batch 32, 64 -> 128 -> 16), `reps` times, on each of `threads`
+/// threads with its own weights and input.
+fn mlp_threads<B: Backend>(device: &B::Device, threads: usize, reps: usize) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let device = device.clone();
+            s.spawn(move || {
+                let w1 = Tensor::<B, 1>::from_data(data(64 * 128, t), &device).reshape([64, 128]);
+                let w2 =
+                    Tensor::<B, 1>::from_data(data(128 * 16, t + 1), &device).reshape([128, 16]);
+                let x = Tensor::<B, 1>::from_data(data(32 * 64, t + 2), &device).reshape([32, 64]);
+                for _ in 0..reps {
+                    let h = relu(x.clone().matmul(w1.clone()) + 0.1);
+                    let y = h.matmul(w2.clone()).sum_dim(1);
+                    std::hint::black_box(y.into_data());
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Alternate ours and plain `rounds` times; print both medians and return plain / ours.
+fn compare(
+    name: &str,
+    rounds: usize,
+    mut ours: impl FnMut() -> Duration,
+    mut plain: impl FnMut() -> Duration,
+) -> f64 {
+    // One untimed round each: page faults, thread start-up, lazy initialisation.
+    ours();
+    plain();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        a.push(ours());
+        b.push(plain());
+    }
+    let (a, b) = (median(a), median(b));
+    let ratio = b.as_secs_f64() / a.as_secs_f64();
+    eprintln!("{name:<16} stream-fusion {a:>10.2?}   plain {b:>10.2?}   plain/ours {ratio:.3}");
+    ratio
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; there are no filters to honour.
+    let device = Default::default();
+    let rounds = if quick() { 3 } else { 15 };
+    eprintln!(
+        "backend bench: {} vs {}, {rounds} alternating rounds per measurement (medians)",
+        Ours::name(&device),
+        Plain::name(&device)
+    );
+    let mut ratios = Vec::new();
+    for n in [1 << 10, 1 << 14, 1 << 16, 1 << 18] {
+        let name = format!("chain/{n}");
+        let r = compare(
+            &name,
+            rounds,
+            || chain::<Ours>(&device, n),
+            || chain::<Plain>(&device, n),
+        );
+        ratios.push((name, r));
+    }
+    let reps = if quick() { 20 } else { 200 };
+    for threads in [1, 2, 4, 8, 16] {
+        let name = format!("threads/{threads}");
+        let r = compare(
+            &name,
+            rounds,
+            || mlp_threads::<Ours>(&device, threads, reps),
+            || mlp_threads::<Plain>(&device, threads, reps),
+        );
+        ratios.push((name, r));
+    }
+    for (name, r) in ratios {
+        println!("ratio {name}: {r:.3}");
+    }
+}
