@@ -105,7 +105,7 @@ cd "$dir"
 features=()
 if [ "$mode" = cuda ]; then
     export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
-    features=(--no-default-features --features std,quantization,cuda,cube)
+    features=(--no-default-features --features std,quantization,cuda)
 fi
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target/burn-suite}" \
     cargo test --release "${features[@]}" --test tensor -- "$@"
