@@ -86,11 +86,13 @@ pub(crate) fn record<B: BackendIr, I: Send + Sync + 'static>(
     let operands = crate::small::collect(operands.into_iter().map(Operand::Consume));
     let build = |inputs: SmallVec<[TensorIr; 2]>| {
         let ir = ir(&inputs, &mut crate::id::fresh_tensor_id);
-        let described = repr(&ir);
+        // The operands' IRs are the operation's inputs, in order; its outputs are read off its
+        // burn IR once, here, not on every use.
+        let outputs = repr(&ir).outputs().cloned().collect();
         Ok(BackendOp::<B, I> {
             name,
-            inputs: described.inputs().cloned().collect(),
-            outputs: described.outputs().cloned().collect(),
+            inputs,
+            outputs,
             ir,
             run,
             repr,
