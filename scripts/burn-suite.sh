@@ -7,8 +7,9 @@
 # BURN_CHECKOUT is a git checkout (or bare mirror) of github.com/tracel-ai/burn that has the
 # v0.21.0 tag. The suite is extracted into DIR (default ../burn-suite, outside this repository:
 # none of it is part of fusion-streams), its `TestBackend` is pointed at StreamFusion, and its
-# `tensor` test target is built and run in release mode. The summary line at the end is the pass
-# count the README reports. Extra arguments after the mode are passed to the test binary.
+# `tensor` test target (or SUITE_TARGET=autodiff) is built and run in release mode. The summary
+# line at the end is the pass count the README reports. Extra arguments after the mode are passed
+# to the test binary.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 burn=${1:?usage: burn-suite.sh BURN_CHECKOUT [DIR] [cuda]}
@@ -30,6 +31,10 @@ edition = "2024"
 publish = false
 autotests = false
 
+[lib]
+name = "burn_backend_tests"
+path = "src/lib.rs"
+
 [features]
 default = ["std", "quantization", "ndarray"]
 std = []
@@ -48,6 +53,7 @@ burn-tensor = "=0.21.0"
 burn-tensor-testgen = "=0.21.0"
 burn-backend = "=0.21.0"
 burn-ndarray = "=0.21.0"
+burn-autodiff = "=0.21.0"
 fusion-streams = { path = "$here" }
 num-traits = "0.2.19"
 serial_test = "3.2.0"
@@ -61,6 +67,10 @@ ctor = "0.10.1"
 [[test]]
 name = "tensor"
 path = "tests/tensor.rs"
+
+[[test]]
+name = "autodiff"
+path = "tests/autodiff.rs"
 EOF
 
 cat > "$dir/tests/common/backend.rs" <<'EOF'
@@ -101,6 +111,56 @@ pub mod prelude {
 pub use prelude::*;
 EOF
 
+# The autodiff target: burn-dispatch makes autodiff a device mode; here it is burn's Autodiff
+# decorator over the backend under test, and the checkpointing module gets its own checkpointed
+# backend type.
+sed -i 's|#\[path = "common/backend.rs"\]|#[path = "common/backend_autodiff.rs"]|' "$dir/tests/autodiff.rs"
+sed -e 's|^pub type TestBackend = fusion_streams::backend::StreamFusion<burn_ndarray::NdArray<f32>>;$|pub type TestBackend = burn_autodiff::Autodiff<fusion_streams::backend::StreamFusion<burn_ndarray::NdArray<f32>>>;|' \
+    -e 's|^pub type TestBackend = fusion_streams::backend::StreamFusion<$|pub type TestBackend = burn_autodiff::Autodiff<fusion_streams::backend::StreamFusion<|' \
+    -e 's|^>;$|>>;|' \
+    "$dir/tests/common/backend.rs" > "$dir/tests/common/backend_autodiff.rs"
+cat > "$dir/tests/common/autodiff.rs" <<'RS'
+// burn's autodiff tests, with burn-dispatch's autodiff device replaced by burn's Autodiff
+// decorator over the backend under test.
+pub use super::*;
+
+pub struct AutodiffDevice;
+
+impl AutodiffDevice {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new() -> <TestBackend as burn_backend::BackendTypes>::Device {
+        Default::default()
+    }
+}
+
+#[path = "../autodiff/mod.rs"]
+mod base;
+
+mod checkpointing {
+    pub use super::FloatElem;
+
+    pub type TestBackend = burn_autodiff::Autodiff<
+        <super::TestBackend as burn_tensor::backend::AutodiffBackend>::InnerBackend,
+        burn_autodiff::checkpoint::strategy::BalancedCheckpointing,
+    >;
+    pub type TestTensor<const D: usize> = burn_tensor::Tensor<TestBackend, D>;
+    pub type TestTensorInt<const D: usize> = burn_tensor::Tensor<TestBackend, D, burn_tensor::Int>;
+    pub type TestTensorBool<const D: usize> =
+        burn_tensor::Tensor<TestBackend, D, burn_tensor::Bool>;
+
+    pub struct AutodiffDevice;
+
+    impl AutodiffDevice {
+        #[allow(clippy::new_ret_no_self)]
+        pub fn new() -> <TestBackend as burn_backend::BackendTypes>::Device {
+            Default::default()
+        }
+    }
+
+    include!("../autodiff/mod.rs");
+}
+RS
+
 cd "$dir"
 features=()
 if [ "$mode" = cuda ]; then
@@ -108,4 +168,4 @@ if [ "$mode" = cuda ]; then
     features=(--no-default-features --features std,quantization,cuda)
 fi
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target/burn-suite}" \
-    cargo test --release "${features[@]}" --test tensor -- "$@"
+    cargo test --release "${features[@]}" --test "${SUITE_TARGET:-tensor}" -- "$@"

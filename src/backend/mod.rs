@@ -4,7 +4,7 @@
 //!
 //! `StreamFusion<B>` wraps any backend `B` that speaks burn's IR ([`BackendIr`]; every
 //! `FusionBackend` does, and so does `burn-ndarray`). Its tensor primitives are
-//! [`FusionTensor`]s over a [`BackendRuntime<B>`] whose handles are `B`'s own. Each operation
+//! [`FusionTensor`](crate::FusionTensor)s over a [`BackendRuntime<B>`] whose handles are `B`'s own. Each operation
 //! records burn's [`burn_ir::OperationIr`] and a function that runs `B`'s same-named operation on
 //! the stream's handles, lazily, when the stream drains:
 //!
