@@ -75,6 +75,15 @@ pub enum Operand<'a, R: StreamRuntime> {
     Consume(FusionTensor<R>),
 }
 
+impl<R: StreamRuntime> fmt::Debug for Operand<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Operand::Read(t) => f.debug_tuple("Read").field(t).finish(),
+            Operand::Consume(t) => f.debug_tuple("Consume").field(t).finish(),
+        }
+    }
+}
+
 impl<'a, R: StreamRuntime> From<&'a FusionTensor<R>> for Operand<'a, R> {
     fn from(tensor: &'a FusionTensor<R>) -> Self {
         Operand::Read(tensor)
@@ -491,6 +500,16 @@ pub struct OpBuilder<'a, R: StreamRuntime> {
     name: Cow<'static, str>,
     operands: Operands<'a, R>,
     outputs: SmallVec<[(Shape, DType); 1]>,
+}
+
+impl<R: StreamRuntime> fmt::Debug for OpBuilder<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpBuilder")
+            .field("name", &self.name)
+            .field("operands", &self.operands)
+            .field("outputs", &self.outputs)
+            .finish()
+    }
 }
 
 impl<'a, R: StreamRuntime> OpBuilder<'a, R> {

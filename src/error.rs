@@ -217,6 +217,11 @@ pub struct Rejected<T> {
 }
 
 impl<T> Rejected<T> {
+    /// The underlying error (the operands stay in `returned`).
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
     /// The error, dropping the returned operands.
     pub fn into_error(self) -> Error {
         self.error

@@ -46,7 +46,7 @@
 //!   Builds without a GPU or a CUDA toolkit (set `CUDARC_CUDA_VERSION=13000` to pin the driver
 //!   bindings); needs the NVIDIA driver at run time.
 
-#![warn(missing_docs)]
+#![warn(missing_docs, missing_debug_implementations)]
 
 pub mod backend;
 mod client;
@@ -77,8 +77,13 @@ pub use tensor::FusionTensor;
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-/// Re-exports of the burn vocabulary used in this crate's API.
+/// Re-exports of the burn vocabulary used in this crate's API, and of the burn crates themselves
+/// at the exact versions this crate is built on (so a user who needs more of them does not have
+/// to match versions by hand).
 pub mod burn {
+    pub use burn_backend as backend;
     pub use burn_backend::{DType, Shape, StreamId, TensorData};
+    pub use burn_fusion as fusion;
+    pub use burn_ir as ir;
     pub use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorId, TensorIr, TensorStatus};
 }

@@ -174,7 +174,7 @@ fn infer_output<R: StreamRuntime>(
             if lhs != rhs {
                 return Err(Error::ShapeMismatch {
                     op,
-                    detail: format!("{lhs:?} and {rhs:?} differ"),
+                    detail: format!("{:?} and {:?} differ", &lhs[..], &rhs[..]),
                 });
             }
             lhs.clone()
@@ -184,7 +184,11 @@ fn infer_output<R: StreamRuntime>(
             if lhs.num_dims() != 2 || rhs.num_dims() != 2 || lhs[1] != rhs[0] {
                 return Err(Error::ShapeMismatch {
                     op,
-                    detail: format!("cannot multiply {lhs:?} by {rhs:?} (need [m, k] @ [k, n])"),
+                    detail: format!(
+                        "cannot multiply {:?} by {:?} (need [m, k] @ [k, n])",
+                        &lhs[..],
+                        &rhs[..]
+                    ),
                 });
             }
             Shape::new([lhs[0], rhs[1]])

@@ -143,3 +143,21 @@ fn an_operation_arity_mismatch_is_refused() {
         Err(r) if matches!(r.error, Error::InvalidOperation { .. })
     ));
 }
+
+/// Errors show shapes the way users write them, `[2, 3]`, and every rejection converts into
+/// the crate's error for `?`.
+#[test]
+fn errors_show_shapes_as_lists_and_convert_for_question_mark() {
+    let c = client();
+    let a = f32s(&c, &[1.0, 2.0]);
+    let b = f32s(&c, &[1.0, 2.0, 3.0]);
+    let message = a.add(&b).unwrap_err().to_string();
+    assert!(message.contains("[2] and [3] differ"), "{message}");
+    fn launch(c: &Client, t: Tensor) -> fusion_streams::Result<Tensor> {
+        Ok(c.launch(
+            Kernel::Exp,
+            vec![Operand::Consume(t.clone()), Operand::Consume(t)],
+        )?)
+    }
+    assert!(matches!(launch(&c, a), Err(Error::InvalidOperation { .. })));
+}

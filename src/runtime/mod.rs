@@ -70,6 +70,14 @@ pub struct KernelInput<'a, H> {
     pub ir: &'a TensorIr,
 }
 
+impl<H> std::fmt::Debug for KernelInput<'_, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelInput")
+            .field("ir", self.ir)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Whether a kernel may write its output over its first input's buffer: that input was handed
 /// over as the last reference to its id (`ReadWrite`), has the output's dtype and shape, and its
 /// buffer has no other owner ([`StreamRuntime::can_mut`] — false while a view aliases it, or an

@@ -14,6 +14,15 @@ pub struct PublicationRejected<R: StreamRuntime> {
     pub reason: Error,
 }
 
+impl<R: StreamRuntime> fmt::Debug for PublicationRejected<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PublicationRejected")
+            .field("value", &self.value)
+            .field("reason", &self.reason)
+            .finish()
+    }
+}
+
 /// A publication that could not be admitted, or whose completion could not be proven.
 #[non_exhaustive]
 pub enum PublicationAdmissionError<R: StreamRuntime> {
@@ -80,6 +89,16 @@ pub struct DownloadRejected<R: TransferRuntime> {
     pub buffer: PinnedHostBuffer,
     /// Why it was refused.
     pub reason: Error,
+}
+
+impl<R: TransferRuntime> fmt::Debug for DownloadRejected<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DownloadRejected")
+            .field("publication", &self.publication)
+            .field("buffer", &self.buffer)
+            .field("reason", &self.reason)
+            .finish()
+    }
 }
 
 /// The transfer's error carrier: consumption can refuse before any enqueue and must then hand
@@ -157,5 +176,56 @@ impl fmt::Display for DownloadFailed {
 impl std::error::Error for DownloadFailed {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.error)
+    }
+}
+
+// One way out of every rejection type: `error()` borrows the error (the owners stay with the
+// caller, to take back), `into_error()` and `?` (through `From`) keep the error and drop the
+// owners.
+
+impl<R: StreamRuntime> PublicationAdmissionError<R> {
+    /// The error, dropping any returned value.
+    pub fn into_error(self) -> Error {
+        match self {
+            PublicationAdmissionError::Rejected(r) => r.reason,
+            PublicationAdmissionError::Unproven { error } => error,
+        }
+    }
+}
+
+impl<R: TransferRuntime> PublicationError<R> {
+    /// The error, dropping the returned publication and buffer.
+    pub fn into_error(self) -> Error {
+        self.into_parts().2
+    }
+}
+
+impl DownloadFailed {
+    /// The underlying error.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The error, dropping the returned buffer.
+    pub fn into_error(self) -> Error {
+        self.error
+    }
+}
+
+impl<R: StreamRuntime> From<PublicationAdmissionError<R>> for Error {
+    fn from(error: PublicationAdmissionError<R>) -> Self {
+        error.into_error()
+    }
+}
+
+impl<R: TransferRuntime> From<PublicationError<R>> for Error {
+    fn from(error: PublicationError<R>) -> Self {
+        error.into_error()
+    }
+}
+
+impl From<DownloadFailed> for Error {
+    fn from(error: DownloadFailed) -> Self {
+        error.into_error()
     }
 }

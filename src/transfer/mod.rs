@@ -37,14 +37,14 @@
 //! let x = client.from_data(TensorData::new(vec![1.0f32, 2.0, 3.0], [3]))?;
 //! let value = x.scale(2.0)?;
 //! // SAFETY: `value` was produced on this thread's stream, which the session captured.
-//! let publication = unsafe { session.publish(value) }.map_err(|e| e.error().clone())?;
+//! // `?` keeps the error and drops any owner a rejection hands back; match on the error to keep
+//! // them instead.
+//! let publication = unsafe { session.publish(value) }?;
 //! session.close();
 //! drop((x, client)); // the publication keeps only the allocation and the runtime
 //!
-//! let download = publication
-//!     .download_into(PinnedHostBuffer::new(12)?)
-//!     .map_err(|e| e.error().clone())?;
-//! let buffer = download.wait().map_err(|e| e.error)?;
+//! let download = publication.download_into(PinnedHostBuffer::new(12)?)?;
+//! let buffer = download.wait()?;
 //! assert_eq!(buffer.to_data([3], DType::F32)?.to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
 //! # Ok::<(), fusion_streams::Error>(())
 //! ```
@@ -124,6 +124,15 @@ pub struct Retired<R: TransferRuntime> {
     pub(crate) _handle: Option<R::FusionHandle>,
     pub(crate) _buffer: Option<PinnedHostBuffer>,
     pub(crate) _frontier: Option<R::Event>,
+}
+
+impl<R: TransferRuntime> std::fmt::Debug for Retired<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Retired")
+            .field("done", &R::poll_event(&self.event).is_some())
+            .field("buffer", &self._buffer)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<R: TransferRuntime> Retire for Retired<R> {

@@ -204,6 +204,12 @@ pub struct StreamPause {
     gate: Arc<Marker>,
 }
 
+impl fmt::Debug for StreamPause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamPause").finish_non_exhaustive()
+    }
+}
+
 impl Drop for StreamPause {
     fn drop(&mut self) {
         self.gate.complete(Ok(()));
