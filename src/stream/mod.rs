@@ -520,6 +520,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             } else if source.is_materialised(&src) {
                 source.counters.share_fast_paths += 1;
             }
+            tracing::trace!(source = %src, view = %dst, from = %src_home.id, drained, "shared view");
             source.entry(&src, "share")
         };
 
@@ -615,6 +616,7 @@ impl<R: StreamRuntime> MultiStream<R> {
 
 impl<R: StreamRuntime> EngineHook for MultiStream<R> {
     fn on_thread_exit(&self, stream: StreamId) {
+        tracing::trace!(%stream, "exit drain");
         let Some(cell) = self.streams.read().get(&stream).cloned() else {
             return;
         };
@@ -646,6 +648,7 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
             return;
         }
         state.counters.deferred_flushes += 1;
+        tracing::debug!(%stream, "deferred free outlived its bound: the service thread runs the stream");
         state.drain();
         state.retire_if_orphan_empty();
     }

@@ -232,10 +232,12 @@ impl<R: StreamRuntime> StreamState<R> {
         self.counters.foreign_drops += 1;
         self.shared_sources.remove(&id);
         if !self.queue_references(id) {
+            tracing::trace!(stream = %self.id, tensor = %id, "foreign drop: freed at once");
             self.free(id);
             self.retire_if_orphan_empty();
             return;
         }
+        tracing::trace!(stream = %self.id, tensor = %id, "foreign drop: deferred behind a pending reader");
         self.counters.deferred_frees += 1;
         self.deferred_frees.push(id);
         if !self.flush_scheduled {
@@ -274,6 +276,7 @@ impl<R: StreamRuntime> StreamState<R> {
         // thread instead.
         if self.queue.len() >= self.max_queue_len && !super::local::exiting() {
             self.counters.lazy_flushes += 1;
+            tracing::trace!(stream = %self.id, ops = self.queue.len(), "lazy flush: queue bound reached");
             self.execute_all();
         }
     }
@@ -282,6 +285,7 @@ impl<R: StreamRuntime> StreamState<R> {
     pub(crate) fn drain(&mut self) {
         if !self.queue.is_empty() {
             self.counters.drains += 1;
+            tracing::trace!(stream = %self.id, ops = self.queue.len(), "drain");
         }
         self.execute_all();
     }

@@ -35,6 +35,7 @@ impl<R: TransferRuntime> Record<R> {
         }
         let outcome = R::poll_event(&self.frontier);
         if let Some(Err(error)) = &outcome {
+            tracing::debug!(stream = %self.stream, %error, "frontier failed: publication terminal");
             self.failure = Some(error.clone());
         }
         outcome
@@ -193,11 +194,13 @@ impl<R: TransferRuntime> SourcePublication<R> {
             context,
             handle,
             frontier,
+            stream,
             ..
         } = self
             .record
             .take()
             .expect("a live publication always holds its record");
+        tracing::trace!(%stream, bytes, "download enqueued");
         Ok(PendingDownload {
             record: Some(DownloadRecord {
                 context,

@@ -87,6 +87,7 @@ impl<T: Retire> RetirementQueue<T> {
     /// Detach a record whose device work may still be running. `terminal` records go to the
     /// permanent side.
     pub fn retire(&self, record: T, terminal: bool) {
+        tracing::trace!(terminal, "record retired with device work in flight");
         let oldest = {
             let mut state = self.state.lock();
             if terminal {

@@ -199,8 +199,12 @@ impl<R: TransferRuntime> HeldSession<R> {
             let context = self.client.context().clone();
             let frontier = match R::record_frontier(&context, stream, &handle) {
                 Ok(frontier) => frontier,
-                Err(error) => return Err(PublicationAdmissionError::Unproven { error }),
+                Err(error) => {
+                    tracing::debug!(%stream, %error, "publication unproven");
+                    return Err(PublicationAdmissionError::Unproven { error });
+                }
             };
+            tracing::trace!(%stream, tensor = %value.id(), "published");
             let publication = SourcePublication::new(
                 context,
                 handle,
