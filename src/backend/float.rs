@@ -1,98 +1,31 @@
 //! Float tensor operations of [`StreamFusion`].
 
 use burn_backend::ops::FloatTensorOps;
-use burn_backend::tensor::{Device, FloatTensor, IntTensor};
-use burn_backend::{Distribution, ExecutionError, FloatDType, IntDType, Shape, TensorData};
-use burn_ir::{
-    BackendIr, CastOpIr, CreationOpIr, CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr,
-    RandomOpIr, ReduceDimOpIr,
-};
+use burn_backend::tensor::{FloatTensor, IntTensor};
+use burn_backend::{FloatDType, IntDType};
+use burn_ir::{BackendIr, CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr, ReduceDimOpIr};
 
 use super::StreamFusion;
 use super::macros::*;
 use super::record::{client_of, record_one};
 
 impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
-    fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
-        Self::upload(data, device)
-    }
-
-    fn float_random(
-        shape: Shape,
-        distribution: Distribution,
-        device: &Device<Self>,
-        dtype: FloatDType,
-    ) -> FloatTensor<Self> {
-        let client = Self::client(device);
-        let device = device.clone();
-        record_one(
-            &client,
-            "float_random",
-            [],
-            |_, id| {
-                (
-                    RandomOpIr::create(shape, dtype.into(), distribution, id),
-                    device,
-                )
-            },
-            |(ir, _)| OperationIr::Float(ir.out.dtype, FloatOperationIr::Random(ir.clone())),
-            |(ir, device), h| {
-                let out = B::float_random(
-                    ir.out.shape.clone(),
-                    ir.distribution,
-                    device,
-                    ir.out.dtype.into(),
-                );
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn float_into_data(
-        tensor: FloatTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        Self::download(tensor)
-    }
-
-    fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
-        super::device_of(tensor)
-    }
-
-    fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
-        Self::move_to(tensor, device)
-    }
-
-    fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
-        let client = client_of(&tensor);
-        record_one(
-            &client,
-            "float_into_int",
-            [tensor],
-            |i, id| CastOpIr::create(i[0].clone(), out_dtype.into(), id),
-            |ir| OperationIr::Float(ir.input.dtype, FloatOperationIr::IntoInt(ir.clone())),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.input);
-                let out = B::float_into_int(x, ir.out.dtype.into());
-                h.register_int_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let client = Self::client(device);
-        let device = device.clone();
-        record_one(
-            &client,
-            "float_empty",
-            [],
-            |_, id| (CreationOpIr::create(shape, dtype.into(), id), device),
-            |(ir, _)| wrap!(BaseFloat, Empty, ir.out.dtype, ir),
-            |(ir, device), h| {
-                let out = B::float_empty(ir.out.shape.clone(), device, ir.out.dtype.into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
+    data_ops!(
+        from_data: float_from_data, into_data: float_into_data, device: float_device,
+        to_device: float_to_device,
+    );
+    creation_ops!(register_float_tensor, FloatDType; float_empty: BaseFloat::Empty);
+    random_op!(float_random, register_float_tensor, FloatDType, |ir| {
+        OperationIr::Float(ir.out.dtype, FloatOperationIr::Random(ir.clone()))
+    });
+    cast_ops!(
+        float_into_int(get_float_tensor -> register_int_tensor, IntDType): |ir| {
+            OperationIr::Float(ir.input.dtype, FloatOperationIr::IntoInt(ir.clone()))
+        },
+        float_cast(get_float_tensor -> register_float_tensor, FloatDType): |ir| {
+            wrap!(BaseFloat, Cast, ir.out.dtype, ir)
+        },
+    );
 
     unary_ops!(get_float_tensor, register_float_tensor;
         float_exp: Float::Exp, float_log: Float::Log, float_log1p: Float::Log1p,
@@ -218,21 +151,6 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
                     h.get_float_tensor::<B>(&ir.rhs),
                 );
                 h.register_float_tensor::<B>(&ir.out.id, B::float_cross(l, r, ir.dim));
-            },
-        )
-    }
-
-    fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let client = client_of(&tensor);
-        record_one(
-            &client,
-            "float_cast",
-            [tensor],
-            |i, id| CastOpIr::create(i[0].clone(), dtype.into(), id),
-            |ir| wrap!(BaseFloat, Cast, ir.out.dtype, ir),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.input);
-                h.register_float_tensor::<B>(&ir.out.id, B::float_cast(x, ir.out.dtype.into()));
             },
         )
     }

@@ -1,11 +1,10 @@
 //! Int tensor operations of [`StreamFusion`].
 
 use burn_backend::ops::IntTensorOps;
-use burn_backend::tensor::{Device, FloatTensor, IntTensor};
-use burn_backend::{Distribution, ExecutionError, FloatDType, IntDType, Shape, TensorData};
+use burn_backend::tensor::IntTensor;
+use burn_backend::{FloatDType, IntDType};
 use burn_ir::{
-    BackendIr, CastOpIr, CreationOpIr, IntOperationIr, MatmulOpIr, NumericOperationIr, OperationIr,
-    RandomOpIr, ReduceDimOpIr,
+    BackendIr, IntOperationIr, MatmulOpIr, NumericOperationIr, OperationIr, ReduceDimOpIr,
 };
 
 use super::StreamFusion;
@@ -33,103 +32,22 @@ macro_rules! int_arg_ops {
 }
 
 impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
-    fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        let client = Self::client(device);
-        let device = device.clone();
-        record_one(
-            &client,
-            "int_empty",
-            [],
-            |_, id| (CreationOpIr::create(shape, dtype.into(), id), device),
-            |(ir, _)| wrap!(BaseInt, Empty, ir.out.dtype, ir),
-            |(ir, device), h| {
-                let out = B::int_empty(ir.out.shape.clone(), device, ir.out.dtype.into());
-                h.register_int_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn int_into_data(
-        tensor: IntTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        Self::download(tensor)
-    }
-
-    fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
-        Self::upload(data, device)
-    }
-
-    fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
-        super::device_of(tensor)
-    }
-
-    fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
-        Self::move_to(tensor, device)
-    }
-
-    fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
-        let client = client_of(&tensor);
-        record_one(
-            &client,
-            "int_into_float",
-            [tensor],
-            |i, id| CastOpIr::create(i[0].clone(), out_dtype.into(), id),
-            |ir| OperationIr::Int(IntOperationIr::IntoFloat(ir.clone())),
-            |ir, h| {
-                let x = h.get_int_tensor::<B>(&ir.input);
-                let out = B::int_into_float(x, ir.out.dtype.into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn int_random(
-        shape: Shape,
-        distribution: Distribution,
-        device: &Device<Self>,
-        dtype: IntDType,
-    ) -> IntTensor<Self> {
-        let client = Self::client(device);
-        let device = device.clone();
-        record_one(
-            &client,
-            "int_random",
-            [],
-            |_, id| {
-                (
-                    RandomOpIr::create(shape, dtype.into(), distribution, id),
-                    device,
-                )
-            },
-            |(ir, _)| {
-                OperationIr::NumericInt(ir.out.dtype, NumericOperationIr::IntRandom(ir.clone()))
-            },
-            |(ir, device), h| {
-                let out = B::int_random(
-                    ir.out.shape.clone(),
-                    ir.distribution,
-                    device,
-                    ir.out.dtype.into(),
-                );
-                h.register_int_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
-        let client = client_of(&tensor);
-        record_one(
-            &client,
-            "int_cast",
-            [tensor],
-            |i, id| CastOpIr::create(i[0].clone(), dtype.into(), id),
-            |ir| wrap!(BaseInt, Cast, ir.out.dtype, ir),
-            |ir, h| {
-                let x = h.get_int_tensor::<B>(&ir.input);
-                h.register_int_tensor::<B>(&ir.out.id, B::int_cast(x, ir.out.dtype.into()));
-            },
-        )
-    }
+    data_ops!(
+        from_data: int_from_data, into_data: int_into_data, device: int_device,
+        to_device: int_to_device,
+    );
+    creation_ops!(register_int_tensor, IntDType; int_empty: BaseInt::Empty);
+    random_op!(int_random, register_int_tensor, IntDType, |ir| {
+        OperationIr::NumericInt(ir.out.dtype, NumericOperationIr::IntRandom(ir.clone()))
+    });
+    cast_ops!(
+        int_into_float(get_int_tensor -> register_float_tensor, FloatDType): |ir| {
+            OperationIr::Int(IntOperationIr::IntoFloat(ir.clone()))
+        },
+        int_cast(get_int_tensor -> register_int_tensor, IntDType): |ir| {
+            wrap!(BaseInt, Cast, ir.out.dtype, ir)
+        },
+    );
 
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let client = client_of(&lhs);

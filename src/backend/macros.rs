@@ -411,7 +411,115 @@ macro_rules! base_ops {
     };
 }
 
+/// The data and device operations every kind has: upload, download (B's future), device, and
+/// a move to another device. One `role: method` pair each.
+macro_rules! data_ops {
+    ($($role:ident: $f:ident),* $(,)?) => {$(
+        data_ops!(@$role $f);
+    )*};
+    (@from_data $f:ident) => {
+        fn $f(data: burn_backend::TensorData, device: &burn_backend::tensor::Device<Self>) -> $crate::backend::record::Tensor<B> {
+            Self::upload(data, device)
+        }
+    };
+    (@into_data $f:ident) => {
+        fn $f(
+            tensor: $crate::backend::record::Tensor<B>,
+        ) -> impl Future<Output = Result<burn_backend::TensorData, burn_backend::ExecutionError>> + Send {
+            Self::download(tensor)
+        }
+    };
+    (@device $f:ident) => {
+        fn $f(tensor: &$crate::backend::record::Tensor<B>) -> burn_backend::tensor::Device<Self> {
+            $crate::backend::device_of(tensor)
+        }
+    };
+    (@to_device $f:ident) => {
+        fn $f(tensor: $crate::backend::record::Tensor<B>, device: &burn_backend::tensor::Device<Self>) -> $crate::backend::record::Tensor<B> {
+            Self::move_to(tensor, device)
+        }
+    };
+}
+
+/// `fn f(shape, device, dtype) -> tensor`: a creation op of `B` on the device, recorded as a
+/// `CreationOpIr` under `$fam::$v` (`Empty`, `Zeros`, `Ones`).
+macro_rules! creation_ops {
+    ($put:ident, $dtype:ty; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
+        fn $f(
+            shape: burn_backend::Shape,
+            device: &burn_backend::tensor::Device<Self>,
+            dtype: $dtype,
+        ) -> $crate::backend::record::Tensor<B> {
+            let client = Self::client(device);
+            let device = device.clone();
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [],
+                |_, id| (burn_ir::CreationOpIr::create(shape, dtype.into(), id), device),
+                |(ir, _)| wrap!($fam, $v, ir.out.dtype, ir),
+                |(ir, device), h| {
+                    let out = B::$f(ir.out.shape.clone(), device, ir.out.dtype.into());
+                    h.$put::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    )*};
+}
+
+/// `fn f(shape, distribution, device, dtype) -> tensor`: `B`'s random op, recorded as a
+/// `RandomOpIr` (it draws from `B`'s generator when the stream runs it).
+macro_rules! random_op {
+    ($f:ident, $put:ident, $dtype:ty, |$ir:ident| $repr:expr) => {
+        fn $f(
+            shape: burn_backend::Shape,
+            distribution: burn_backend::Distribution,
+            device: &burn_backend::tensor::Device<Self>,
+            dtype: $dtype,
+        ) -> $crate::backend::record::Tensor<B> {
+            let client = Self::client(device);
+            let device = device.clone();
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [],
+                |_, id| {
+                    let ir = burn_ir::RandomOpIr::create(shape, dtype.into(), distribution, id);
+                    (ir, device)
+                },
+                |($ir, _)| $repr,
+                |(ir, device), h| {
+                    let (shape, dtype) = (ir.out.shape.clone(), ir.out.dtype.into());
+                    let out = B::$f(shape, ir.distribution, device, dtype);
+                    h.$put::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    };
+}
+
+/// `fn f(tensor, dtype) -> tensor`: a cast, within a kind or across kinds, recorded as a
+/// `CastOpIr`. `$get`/`$put` are the input's and the output's kinds.
+macro_rules! cast_ops {
+    ($($f:ident($get:ident -> $put:ident, $dtype:ty): |$ir:ident| $repr:expr),* $(,)?) => {$(
+        fn $f(tensor: $crate::backend::record::Tensor<B>, dtype: $dtype) -> $crate::backend::record::Tensor<B> {
+            let client = $crate::backend::record::client_of(&tensor);
+            $crate::backend::record::record_one(
+                &client,
+                stringify!($f),
+                [tensor],
+                |i, id| burn_ir::CastOpIr::create(i[0].clone(), dtype.into(), id),
+                |$ir| $repr,
+                |ir, h| {
+                    let x = h.$get::<B>(&ir.input);
+                    h.$put::<B>(&ir.out.id, B::$f(x, ir.out.dtype.into()));
+                },
+            )
+        }
+    )*};
+}
+
 pub(crate) use {
-    arg_reduce_ops, base_ops, binary_ops, compare_ops, compare_scalar_ops, dim_ops, reduce_dim_ops,
-    reduce_ops, scalar_ops, unary_ops, wrap,
+    arg_reduce_ops, base_ops, binary_ops, cast_ops, compare_ops, compare_scalar_ops, creation_ops,
+    data_ops, dim_ops, random_op, reduce_dim_ops, reduce_ops, scalar_ops, unary_ops, wrap,
 };

@@ -40,118 +40,47 @@ fn module(ir: ModuleOperationIr) -> OperationIr {
     OperationIr::Module(ir)
 }
 
+/// `fn f(x, weight, bias, options) -> tensor`: a convolution whose IR has `x`, `weight`, an
+/// optional `bias` and burn's options converted to their IR form.
+macro_rules! conv_ops {
+    ($($f:ident($options:ty): $ir:ident => $v:ident),* $(,)?) => {$(
+        fn $f(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+            options: $options,
+        ) -> FloatTensor<Self> {
+            let client = client_of(&x);
+            let has_bias = bias.is_some();
+            record_one(
+                &client,
+                stringify!($f),
+                operands([x, weight], [bias]),
+                |i, id| {
+                    let mut rest = i[2..].iter();
+                    let bias = optional(has_bias, &mut rest);
+                    $ir::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
+                },
+                |ir| module(ModuleOperationIr::$v(ir.clone())),
+                |ir, h| {
+                    let x = h.get_float_tensor::<B>(&ir.x);
+                    let w = h.get_float_tensor::<B>(&ir.weight);
+                    let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
+                    let out = B::$f(x, w, b, ir.options.clone().into());
+                    h.register_float_tensor::<B>(&ir.out.id, out);
+                },
+            )
+        }
+    )*};
+}
+
 impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
-    fn conv2d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvOptions<2>,
-    ) -> FloatTensor<Self> {
-        let client = client_of(&x);
-        let has_bias = bias.is_some();
-        record_one(
-            &client,
-            "conv2d",
-            operands([x, weight], [bias]),
-            |i, id| {
-                let mut rest = i[2..].iter();
-                let bias = optional(has_bias, &mut rest);
-                Conv2dOpIr::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
-            },
-            |ir| module(ModuleOperationIr::Conv2d(ir.clone())),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
-                let out = B::conv2d(x, w, b, ir.options.clone().into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn conv3d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvOptions<3>,
-    ) -> FloatTensor<Self> {
-        let client = client_of(&x);
-        let has_bias = bias.is_some();
-        record_one(
-            &client,
-            "conv3d",
-            operands([x, weight], [bias]),
-            |i, id| {
-                let mut rest = i[2..].iter();
-                let bias = optional(has_bias, &mut rest);
-                Conv3dOpIr::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
-            },
-            |ir| module(ModuleOperationIr::Conv3d(ir.clone())),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
-                let out = B::conv3d(x, w, b, ir.options.clone().into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn conv_transpose2d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvTransposeOptions<2>,
-    ) -> FloatTensor<Self> {
-        let client = client_of(&x);
-        let has_bias = bias.is_some();
-        record_one(
-            &client,
-            "conv_transpose2d",
-            operands([x, weight], [bias]),
-            |i, id| {
-                let mut rest = i[2..].iter();
-                let bias = optional(has_bias, &mut rest);
-                ConvTranspose2dOpIr::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
-            },
-            |ir| module(ModuleOperationIr::ConvTranspose2d(ir.clone())),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
-                let out = B::conv_transpose2d(x, w, b, ir.options.clone().into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
-
-    fn conv_transpose3d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvTransposeOptions<3>,
-    ) -> FloatTensor<Self> {
-        let client = client_of(&x);
-        let has_bias = bias.is_some();
-        record_one(
-            &client,
-            "conv_transpose3d",
-            operands([x, weight], [bias]),
-            |i, id| {
-                let mut rest = i[2..].iter();
-                let bias = optional(has_bias, &mut rest);
-                ConvTranspose3dOpIr::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
-            },
-            |ir| module(ModuleOperationIr::ConvTranspose3d(ir.clone())),
-            |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
-                let out = B::conv_transpose3d(x, w, b, ir.options.clone().into());
-                h.register_float_tensor::<B>(&ir.out.id, out);
-            },
-        )
-    }
+    conv_ops!(
+        conv2d(ConvOptions<2>): Conv2dOpIr => Conv2d,
+        conv3d(ConvOptions<3>): Conv3dOpIr => Conv3d,
+        conv_transpose2d(ConvTransposeOptions<2>): ConvTranspose2dOpIr => ConvTranspose2d,
+        conv_transpose3d(ConvTransposeOptions<3>): ConvTranspose3dOpIr => ConvTranspose3d,
+    );
 
     fn deform_conv2d(
         x: FloatTensor<Self>,

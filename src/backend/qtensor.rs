@@ -1,9 +1,9 @@
 //! Quantized tensor operations of [`StreamFusion`] (for backends that support quantization).
 
+use burn_backend::FloatDType;
 use burn_backend::ops::QTensorOps;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
-use burn_backend::tensor::{Device, FloatTensor, QuantizedTensor};
-use burn_backend::{ExecutionError, FloatDType, TensorData};
+use burn_backend::tensor::{FloatTensor, QuantizedTensor};
 use burn_ir::{
     BackendIr, DequantizeOpIr, FloatOperationIr, OperationIr, QuantizationParametersIr,
     QuantizeOpIr,
@@ -14,9 +14,9 @@ use super::macros::*;
 use super::record::{client_of, record_one};
 
 impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
-    fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
-        Self::upload(data, device)
-    }
+    data_ops!(
+        from_data: q_from_data, into_data: q_into_data, device: q_device, to_device: q_to_device,
+    );
 
     fn quantize(
         tensor: FloatTensor<Self>,
@@ -59,20 +59,6 @@ impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
                 h.register_float_tensor::<B>(&ir.out.id, B::dequantize(x, ir.out.dtype.into()));
             },
         )
-    }
-
-    fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
-        super::device_of(tensor)
-    }
-
-    fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
-        Self::move_to(tensor, device)
-    }
-
-    fn q_into_data(
-        tensor: QuantizedTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        Self::download(tensor)
     }
 
     base_ops!(get_quantized_tensor, register_quantized_tensor, BaseFloat;
