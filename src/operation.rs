@@ -107,6 +107,11 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     fn outputs(&self) -> &[TensorIr];
     /// The operation as burn's IR records it.
     fn repr(&self) -> OperationIr;
+    /// Whether dropping it can run user code (an executor's captures), and so panic. The engine
+    /// drops such operations inside an error scope, which costs a copy of the name and outputs.
+    fn drop_runs_user_code(&self) -> bool {
+        true
+    }
 }
 
 /// A [`FallibleOperation`] registered together with its IR.

@@ -15,7 +15,6 @@ use smallvec::SmallVec;
 
 use super::runtime::BackendRuntime;
 use crate::operation::OpBody;
-use crate::stream::IntoQueued;
 use crate::{FusionClient, FusionTensor, Operand, Result};
 
 /// A tensor of the stream-fusion backend over `B`.
@@ -32,8 +31,6 @@ pub(crate) struct BackendOp<B: BackendIr, I> {
     run: fn(&I, &mut Handles<B>),
     repr: fn(&I) -> OperationIr,
 }
-
-impl<B: BackendIr, I: Send + Sync + 'static> IntoQueued<BackendRuntime<B>> for BackendOp<B, I> {}
 
 impl<B: BackendIr, I: Send + Sync> OpBody<BackendRuntime<B>> for BackendOp<B, I> {
     fn name(&self) -> &str {
@@ -62,6 +59,11 @@ impl<B: BackendIr, I: Send + Sync> OpBody<BackendRuntime<B>> for BackendOp<B, I>
     fn repr(&self) -> OperationIr {
         (self.repr)(&self.ir)
     }
+
+    fn drop_runs_user_code(&self) -> bool {
+        // Its fields are burn IR structs and function pointers: plain data.
+        false
+    }
 }
 
 /// Record an operation on the current stream of `client`.
@@ -83,25 +85,54 @@ pub(crate) fn record<B: BackendIr, I: Send + Sync + 'static>(
     repr: fn(&I) -> OperationIr,
     run: fn(&I, &mut Handles<B>),
 ) -> SmallVec<[Tensor<B>; 1]> {
+    // The outputs are read off the operation's burn IR once, here, not on every use.
+    let outputs = |ir: &I| repr(ir).outputs().cloned().collect();
+    record_with(client, name, operands, ir, outputs, repr, run)
+}
+
+/// [`record`] with the outputs taken straight from the IR struct (the elementwise fast path:
+/// no [`OperationIr`] is built just to list them).
+fn record_with<B: BackendIr, I: Send + Sync + 'static>(
+    client: &FusionClient<BackendRuntime<B>>,
+    name: &'static str,
+    operands: impl IntoIterator<Item = Tensor<B>>,
+    ir: impl FnOnce(&[TensorIr], &mut dyn FnMut() -> TensorId) -> I,
+    outputs: impl FnOnce(&I) -> SmallVec<[TensorIr; 1]>,
+    repr: fn(&I) -> OperationIr,
+    run: fn(&I, &mut Handles<B>),
+) -> SmallVec<[Tensor<B>; 1]> {
     let operands = crate::small::collect(operands.into_iter().map(Operand::Consume));
     let build = |inputs: SmallVec<[TensorIr; 2]>| {
+        // The operands' IRs are the operation's inputs, in order.
         let ir = ir(&inputs, &mut crate::id::fresh_tensor_id);
-        // The operands' IRs are the operation's inputs, in order; its outputs are read off its
-        // burn IR once, here, not on every use.
-        let outputs = repr(&ir).outputs().cloned().collect();
-        Ok(BackendOp::<B, I> {
+        Ok(Box::new(BackendOp::<B, I> {
             name,
             inputs,
-            outputs,
+            outputs: outputs(&ir),
             ir,
             run,
             repr,
-        })
+        }))
     };
     match client.register(operands, build) {
         Ok(outputs) => outputs,
         Err(rejected) => panic!("{name}: {}", rejected.error),
     }
+}
+
+/// [`record_with`] for an operation whose IR has one output, `out`.
+fn record_out<B: BackendIr, I: Send + Sync + 'static>(
+    client: &FusionClient<BackendRuntime<B>>,
+    name: &'static str,
+    operands: impl IntoIterator<Item = Tensor<B>>,
+    ir: impl FnOnce(&[TensorIr], &mut dyn FnMut() -> TensorId) -> I,
+    out: fn(&I) -> &TensorIr,
+    repr: fn(&I) -> OperationIr,
+    run: fn(&I, &mut Handles<B>),
+) -> Tensor<B> {
+    let outputs = |ir: &I| smallvec::smallvec![out(ir).clone()];
+    let mut outputs = record_with(client, name, operands, ir, outputs, repr, run);
+    outputs.swap_remove(0)
 }
 
 /// [`record`] for an operation with exactly one output.
@@ -136,7 +167,7 @@ pub(crate) fn unary<B: BackendIr>(
         Some(dtype) => UnaryOpIr::create_comparison(i[0].clone(), dtype, id),
         None => UnaryOpIr::create(i[0].clone(), id),
     };
-    record_one(&client, name, [input], ir, repr, run)
+    record_out(&client, name, [input], ir, |ir| &ir.out, repr, run)
 }
 
 /// An operation of two tensor operands (broadcast) whose IR is a [`BinaryOpIr`]; `out_dtype`
@@ -154,7 +185,7 @@ pub(crate) fn binary<B: BackendIr>(
         Some(dtype) => BinaryOpIr::create_comparison(i[0].clone(), i[1].clone(), dtype, id),
         None => BinaryOpIr::create(i[0].clone(), i[1].clone(), id),
     };
-    record_one(&client, name, [lhs, rhs], ir, repr, run)
+    record_out(&client, name, [lhs, rhs], ir, |ir| &ir.out, repr, run)
 }
 
 /// An operation of a tensor and a scalar whose IR is a [`ScalarOpIr`]; `out_dtype` for
@@ -172,5 +203,5 @@ pub(crate) fn scalar<B: BackendIr>(
         Some(dtype) => ScalarOpIr::create_comparison(i[0].clone(), rhs, dtype, id),
         None => ScalarOpIr::create(i[0].clone(), rhs, id),
     };
-    record_one(&client, name, [lhs], ir, repr, run)
+    record_out(&client, name, [lhs], ir, |ir| &ir.out, repr, run)
 }

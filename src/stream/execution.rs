@@ -110,6 +110,9 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
     /// panic is recorded on the operation's outputs.
     fn dispose(&mut self, op: super::state::PendingOp<R>) {
+        if !op.drop_runs_user_code() {
+            return;
+        }
         let name: Box<str> = op.name().into();
         let outputs: smallvec::SmallVec<[TensorIr; 1]> = op.outputs().iter().cloned().collect();
         if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(op))) {

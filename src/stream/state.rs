@@ -5,7 +5,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use burn_backend::StreamId;
-use burn_ir::{HandleContainer, TensorId};
+use burn_ir::{HandleContainer, TensorId, TensorIr};
 use hashbrown::{HashMap, HashSet};
 
 use crate::Error;
@@ -38,6 +38,45 @@ pub(crate) enum QueuedOp<R: StreamRuntime> {
 pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
     fn into_queued(self) -> QueuedOp<R> {
         QueuedOp::Op(Box::new(self))
+    }
+}
+
+/// A body boxed where it is built: registration then moves a pointer, not the body, through
+/// validation and into the stream's critical section (a backend operation's body is several
+/// hundred bytes of IR).
+impl<R: StreamRuntime, B: OpBody<R> + 'static> IntoQueued<R> for Box<B> {
+    fn into_queued(self) -> QueuedOp<R> {
+        QueuedOp::Op(self)
+    }
+}
+
+impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn execute(
+        &self,
+        handles: &mut burn_ir::HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> crate::Result<()> {
+        (**self).execute(handles, context)
+    }
+
+    fn inputs(&self) -> &[TensorIr] {
+        (**self).inputs()
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        (**self).outputs()
+    }
+
+    fn repr(&self) -> burn_ir::OperationIr {
+        (**self).repr()
+    }
+
+    fn drop_runs_user_code(&self) -> bool {
+        (**self).drop_runs_user_code()
     }
 }
 
