@@ -12,6 +12,13 @@
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
+//!
+//! With `cuda`, each measurement also runs on burn-fusion 0.21's `Fusion<CubeBackend>` and prints
+//! `ratio burn-fusion-<name>: <x>` (its time over ours). burn 0.21 has no run-time switch for its
+//! fusers (burn-cubecl hard-codes them in `FusionCubeRuntime::fusers`); its "fusion off"
+//! configuration is the `fusion` cargo feature off, which makes `burn::backend::Cuda` plain
+//! `CubeBackend` — our `plain` column. The `burn-fusion` column is burn with fusion on: the bar
+//! kernel fusion on this crate's streams has to clear.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +32,8 @@ type Plain = burn_ndarray::NdArray<f32>;
 #[cfg(feature = "cuda")]
 type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 type Ours = StreamFusion<Plain>;
+#[cfg(feature = "cuda")]
+type BurnFusion = burn_fusion::Fusion<Plain>;
 
 fn quick() -> bool {
     std::env::var_os("FUSION_STREAMS_BENCH_QUICK").is_some()
@@ -85,9 +94,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// Alternate ours and plain `rounds` times; print both medians and return plain / ours.
+/// Alternate ours and theirs `rounds` times; print both medians and return theirs / ours.
 fn compare(
     name: &str,
+    theirs: &str,
     rounds: usize,
     mut ours: impl FnMut() -> Duration,
     mut plain: impl FnMut() -> Duration,
@@ -102,8 +112,69 @@ fn compare(
     }
     let (a, b) = (median(a), median(b));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
-    eprintln!("{name:<16} stream-fusion {a:>10.2?}   plain {b:>10.2?}   plain/ours {ratio:.3}");
+    eprintln!(
+        "{name:<24} stream-fusion {a:>10.2?}   {theirs} {b:>10.2?}   {theirs}/ours {ratio:.3}"
+    );
     ratio
+}
+
+/// One measurement: ours against plain `B` and, with `cuda`, against burn-fusion too.
+fn measure(
+    ratios: &mut Vec<(String, f64)>,
+    name: String,
+    rounds: usize,
+    run: impl Fn(Contender) -> Duration,
+) {
+    let r = compare(
+        &name,
+        "plain",
+        rounds,
+        || run(Contender::Ours),
+        || run(Contender::Plain),
+    );
+    ratios.push((name.clone(), r));
+    #[cfg(feature = "cuda")]
+    {
+        let label = format!("burn-fusion-{name}");
+        let r = compare(
+            &label,
+            "burn-fusion",
+            rounds,
+            || run(Contender::Ours),
+            || run(Contender::BurnFusion),
+        );
+        ratios.push((label, r));
+    }
+}
+
+/// Which backend a measurement runs on.
+#[derive(Clone, Copy)]
+enum Contender {
+    Ours,
+    Plain,
+    #[cfg(feature = "cuda")]
+    BurnFusion,
+}
+
+impl Contender {
+    /// The chain (`chain_n`) or the threaded MLP, on this contender's backend.
+    fn run(self, chain_n: Option<usize>, threads: usize, reps: usize) -> Duration {
+        macro_rules! on {
+            ($b:ty) => {{
+                let device = Default::default();
+                match chain_n {
+                    Some(n) => chain::<$b>(&device, n),
+                    None => mlp_threads::<$b>(&device, threads, reps),
+                }
+            }};
+        }
+        match self {
+            Contender::Ours => on!(Ours),
+            Contender::Plain => on!(Plain),
+            #[cfg(feature = "cuda")]
+            Contender::BurnFusion => on!(BurnFusion),
+        }
+    }
 }
 
 fn main() {
@@ -117,25 +188,14 @@ fn main() {
     );
     let mut ratios = Vec::new();
     for n in [1 << 10, 1 << 14, 1 << 16, 1 << 18] {
-        let name = format!("chain/{n}");
-        let r = compare(
-            &name,
-            rounds,
-            || chain::<Ours>(&device, n),
-            || chain::<Plain>(&device, n),
-        );
-        ratios.push((name, r));
+        measure(&mut ratios, format!("chain/{n}"), rounds, |c| {
+            c.run(Some(n), 1, 0)
+        });
     }
     let reps = if quick() { 20 } else { 200 };
     for threads in [1, 2, 4, 8, 16] {
         let name = format!("threads/{threads}");
-        let r = compare(
-            &name,
-            rounds,
-            || mlp_threads::<Ours>(&device, threads, reps),
-            || mlp_threads::<Plain>(&device, threads, reps),
-        );
-        ratios.push((name, r));
+        measure(&mut ratios, name, rounds, |c| c.run(None, threads, reps));
     }
     for (name, r) in ratios {
         println!("ratio {name}: {r:.3}");

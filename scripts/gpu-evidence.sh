@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repository root, with the binaries staged by
 # scripts/gpu-tests.sh in gpu-bin/. Writes one log per step into the directory given (default
-# gpu-logs/), and prints a summary line per step. Steps: tests, sanitizers, examples.
+# gpu-logs/), and prints a summary line per step. Step sets: tests, sanitizers, backend.
 #
 #   ./scripts/gpu-evidence.sh tests [DIR]       # the GPU tests (the OOM test alone), examples
 #   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the test binary
+#   ./scripts/gpu-evidence.sh backend [DIR]     # StreamFusion<CubeBackend>: its tests (the
+#                                               # two-GPU to_device test needs a second GPU),
+#                                               # the burn example, the backend benchmark
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -24,7 +27,7 @@ step() {
     "$@" >"$out/$name.log" 2>&1
     local rc=$?
     printf '%-22s rc=%s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
-        "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tr '\n' ' ')"
+        "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY|^ratio' "$out/$name.log" | tr '\n' ' ')"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -39,6 +42,12 @@ sanitizers)
     for tool in memcheck synccheck racecheck; do
         step "$tool" "$cs" --tool "$tool" ./gpu-bin/gpu --ignored --test-threads=1 "${skip[@]}"
     done
+    ;;
+backend)
+    step backend-cuda ./gpu-bin/backend --ignored --test-threads=1
+    step backend-threads-cuda ./gpu-bin/backend_threads --ignored
+    step burn-multi-thread-cuda ./gpu-bin/burn_multi_thread
+    step bench-backend-cuda ./gpu-bin/bench-backend --bench
     ;;
 *)
     echo "unknown step set: $what" >&2

@@ -11,6 +11,11 @@
 #   ./gpu-bin/publish_download                                        # publication on CUDA
 #   ./gpu-bin/engine --bench cuda                                     # the CUDA engine benchmark
 #   ./gpu-bin/transfer --bench                                        # the transfer benchmark
+#   ./gpu-bin/backend --ignored --test-threads=1                      # StreamFusion<CubeBackend>
+#   ./gpu-bin/backend_threads --ignored                               #   op families, threads
+#   ./gpu-bin/burn_multi_thread                                       # the burn example on CUDA
+#   ./gpu-bin/bench-backend --bench                                   # vs CubeBackend, burn-fusion
+# (scripts/gpu-evidence.sh runs these in sets and writes a log per step.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # cudarc picks its driver bindings at build time; without a toolkit here, pin CUDA 13.0 (the
@@ -19,9 +24,15 @@ export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
 mkdir -p gpu-bin
 
 log=$(mktemp)
-cargo test --release --features cuda --test gpu --no-run 2>&1 | tee "$log"
+cargo test --release --features cuda --test gpu --test backend --test backend_threads --no-run \
+    2>&1 | tee "$log"
 test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
-cargo build --release --features cuda --example quickstart --example publish_download
+backend_bin=$(grep -o 'target/release/deps/backend-[0-9a-f]*' "$log" | tail -n 1)
+threads_bin=$(grep -o 'target/release/deps/backend_threads-[0-9a-f]*' "$log" | tail -n 1)
+cargo build --release --features cuda --example quickstart --example publish_download \
+    --example burn_multi_thread
+cargo bench --features cuda --bench backend --no-run 2>&1 | tee "$log"
+bench_backend_bin=$(grep -o 'target/release/deps/backend-[0-9a-f]*' "$log" | tail -n 1)
 cargo bench --features cuda --bench engine --no-run 2>&1 | tee "$log"
 bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
 cargo bench --features cuda --bench transfer --no-run 2>&1 | tee "$log"
@@ -32,6 +43,10 @@ cp target/release/examples/quickstart gpu-bin/quickstart
 cp target/release/examples/publish_download gpu-bin/publish_download
 cp "$bench_bin" gpu-bin/engine
 cp "$transfer_bin" gpu-bin/transfer
-strip gpu-bin/gpu gpu-bin/quickstart gpu-bin/publish_download gpu-bin/engine gpu-bin/transfer
+cp "$backend_bin" gpu-bin/backend
+cp "$threads_bin" gpu-bin/backend_threads
+cp target/release/examples/burn_multi_thread gpu-bin/burn_multi_thread
+cp "$bench_backend_bin" gpu-bin/bench-backend
+strip gpu-bin/*
 ls -la gpu-bin
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

@@ -6,6 +6,7 @@
 //! The multi-thread programs burn users hit bugs with are in `backend_threads.rs`.
 
 use burn_backend::Backend;
+#[cfg(not(feature = "cuda"))]
 use burn_ndarray::NdArray;
 use burn_tensor::activation::{gelu, relu, sigmoid, softmax};
 use burn_tensor::module::{avg_pool2d, conv2d, max_pool2d, max_pool2d_with_indices};
@@ -16,7 +17,12 @@ use burn_tensor::{
 };
 use fusion_streams::backend::StreamFusion;
 
+// The host backend by default; with the `cuda` feature, burn's CubeCL backend on CUDA (then
+// every test needs a GPU and is ignored unless asked for: see scripts/gpu-tests.sh).
+#[cfg(not(feature = "cuda"))]
 type Plain = NdArray<f32>;
+#[cfg(feature = "cuda")]
+type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 type Ours = StreamFusion<Plain>;
 
 /// Run `$body` (a program over a generic backend `B` on `device`, returning the data it reads)
@@ -24,6 +30,7 @@ type Ours = StreamFusion<Plain>;
 macro_rules! same_on_both {
     ($($name:ident: |$device:ident| $body:block)*) => {$(
         #[test]
+        #[cfg_attr(feature = "cuda", ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine")]
         fn $name() {
             fn program<B: Backend>($device: &B::Device) -> Vec<TensorData> $body
             let ours = program::<Ours>(&Default::default());
@@ -199,6 +206,16 @@ same_on_both! {
         ]
     }
 
+    // burn's blocked LU at the size its suite checks on CUDA (3 x 300 x 500, seeded input):
+    // matmul-heavy, so on CUDA the same kernels must also be chosen in the same order.
+    lu_decomposition_of_a_batch: |d| {
+        B::seed(d, 7);
+        let a = Tensor::<B, 3>::random([3, 300, 500], Distribution::Default, d);
+        let (p, l, u) = burn_tensor::linalg::lu::<B, 3, 2>(a.clone());
+        let plu = p.clone().matmul(l.clone()).matmul(u.clone());
+        vec![p.into_data(), l.into_data(), u.into_data(), (plu - a).abs().max().into_data()]
+    }
+
     seeded_random_and_transactions: |d| {
         B::seed(d, 42);
         let r = Tensor::<B, 2>::random([3, 4], Distribution::Normal(0.0, 1.0), d);
@@ -217,6 +234,10 @@ same_on_both! {
 /// an activation, a reduction) equal those computed over plain NdArray, and they can be
 /// computed on a thread other than the one that recorded the forward pass.
 #[test]
+#[cfg_attr(
+    feature = "cuda",
+    ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"
+)]
 fn autodiff_over_stream_fusion_matches_plain() {
     use burn_autodiff::Autodiff;
 
@@ -237,4 +258,52 @@ fn autodiff_over_stream_fusion_matches_plain() {
     let plain = grads::<Autodiff<Plain>>(false);
     assert_eq!(grads::<Autodiff<Ours>>(false), plain);
     assert_eq!(grads::<Autodiff<Ours>>(true), plain);
+}
+
+/// `to_device` between two GPUs of one backend: a pending tensor moved to the second device,
+/// computed on there (its own engine), moved back, and moved again from a worker thread, gives
+/// what plain `CubeBackend` gives; and every engine is left holding nothing.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs two NVIDIA GPUs: build with scripts/gpu-tests.sh, run on a two-GPU machine"]
+fn to_device_across_two_gpus() {
+    use cubecl::cuda::CudaDevice;
+
+    let count = cudarc::driver::CudaContext::device_count().expect("the CUDA driver");
+    assert!(
+        count >= 2,
+        "this test needs two GPUs, the machine has {count}"
+    );
+    fn program<B: Backend<Device = CudaDevice>>() -> Vec<TensorData> {
+        let (d0, d1) = (CudaDevice::new(0), CudaDevice::new(1));
+        let x = Tensor::<B, 2>::from_data([[1.0, -2.0], [3.5, 0.25]], &d0) * 2.0;
+        let y = x.clone().to_device(&d1);
+        assert_eq!(y.device(), d1);
+        let z = (y.clone().exp() + 1.0).to_device(&d0);
+        assert_eq!(z.device(), d0);
+        let idx = Tensor::<B, 1, Int>::arange(0..4, &d0).to_device(&d1);
+        let mask = x.clone().greater_elem(1.0).to_device(&d1);
+        let worker = {
+            let y = y.clone();
+            std::thread::spawn(move || (y * 3.0).to_device(&CudaDevice::new(0)).into_data())
+        };
+        vec![
+            x.into_data(),
+            y.into_data(),
+            z.into_data(),
+            idx.into_data(),
+            mask.into_data(),
+            worker.join().unwrap(),
+        ]
+    }
+    assert_eq!(program::<Ours>(), program::<Plain>());
+    for index in 0..2 {
+        let device = CudaDevice::new(index);
+        Ours::sync(&device).unwrap();
+        let client = Ours::client(&device);
+        client.streams().drain_all();
+        client.sync().unwrap();
+        let stats = client.stats();
+        assert!(stats.is_quiescent(), "device {index} still holds {stats:?}");
+    }
 }
