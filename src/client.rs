@@ -258,14 +258,25 @@ impl<R: StreamRuntime> FusionClient<R> {
         if self.same_engine(tensor.client()) {
             Ok(())
         } else {
-            Err(Error::DeviceMismatch {
-                id: tensor.id(),
-                detail: format!(
-                    "tensor of {:?}, operation on {:?}",
-                    tensor.client().device(),
-                    self.device()
-                ),
-            })
+            Err(self.foreign_tensor(tensor))
+        }
+    }
+
+    /// The error for `tensor` of another client: it names both devices, and says so when the
+    /// two clients are on the same device (two engines, where the caller likely meant one).
+    pub(crate) fn foreign_tensor(&self, tensor: &FusionTensor<R>) -> Error {
+        let (theirs, ours) = (tensor.client().device(), self.device());
+        let detail = if theirs == ours {
+            format!(
+                "both on {ours:?}, but in two clients: each `FusionClient::new` opens its own \
+                 engine; clone one client to share it"
+            )
+        } else {
+            format!("tensor of {theirs:?}, operation on {ours:?}")
+        };
+        Error::DeviceMismatch {
+            id: tensor.id(),
+            detail,
         }
     }
 

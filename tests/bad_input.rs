@@ -52,7 +52,9 @@ fn tensors_of_another_device_are_refused() {
             .unwrap();
     let a = f32s(&here, &[1.0]);
     let b = f32s(&there, &[1.0]);
-    assert!(matches!(a.add(&b), Err(Error::DeviceMismatch { .. })));
+    let err = a.add(&b).unwrap_err();
+    assert!(matches!(err, Error::DeviceMismatch { .. }));
+    assert!(err.to_string().contains("tensor of"), "{err}");
     assert!(matches!(here.exp(&b), Err(Error::DeviceMismatch { .. })));
     let mut session = HeldSession::open(&here).unwrap();
     match unsafe { session.publish(b) } {

@@ -132,6 +132,8 @@ fn a_tensor_of_another_client_is_rejected() {
         matches!(err, Error::DeviceMismatch { id, .. } if id == b.id()),
         "{err:?}"
     );
+    // Both clients are on the default device: the message says that is the problem.
+    assert!(err.to_string().contains("two clients"), "{err}");
     let rejected = c1
         .launch(Kernel::Exp, vec![Operand::Consume(b)])
         .unwrap_err();

@@ -150,10 +150,7 @@ impl<R: TransferRuntime> HeldSession<R> {
             )))
         };
         if !self.client.same_engine(value.client()) {
-            let reason = Error::DeviceMismatch {
-                id: value.id(),
-                detail: "the value belongs to another client than the session".into(),
-            };
+            let reason = self.client.foreign_tensor(&value);
             return reject(value, reason);
         }
         if !R::publishable(value.dtype()) {
