@@ -3,8 +3,8 @@
 
 use burn_backend::{DType, Shape};
 use burn_ir::{
-    BinaryOpIr, CustomOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr,
-    NumericOperationIr, OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
+    BinaryOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr, NumericOperationIr,
+    OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
 };
 use smallvec::SmallVec;
 
@@ -120,7 +120,8 @@ fn kernel_ir(kernel: &Kernel, inputs: &[TensorIr], out: &TensorIr) -> OperationI
                 value: ScalarIr::Float(*value),
             }),
         ),
-        Kernel::FailOnDevice => OperationIr::Custom(CustomOpIr {
+        #[cfg(feature = "testing")]
+        Kernel::FailOnDevice => OperationIr::Custom(burn_ir::CustomOpIr {
             id: "fusion_streams::fail_on_device".to_owned(),
             inputs: inputs.to_vec(),
             outputs: vec![out],
@@ -132,7 +133,9 @@ fn arity(kernel: &Kernel) -> usize {
     match kernel {
         Kernel::Add | Kernel::Mul | Kernel::Matmul => 2,
         Kernel::Fill(_) => 0,
-        Kernel::Scale(_) | Kernel::Exp | Kernel::Sum | Kernel::FailOnDevice => 1,
+        Kernel::Scale(_) | Kernel::Exp | Kernel::Sum => 1,
+        #[cfg(feature = "testing")]
+        Kernel::FailOnDevice => 1,
     }
 }
 
@@ -194,9 +197,9 @@ fn infer_output<R: StreamRuntime>(
             Shape::new([lhs[0], rhs[1]])
         }
         Kernel::Sum => Shape::new([1]),
-        Kernel::Scale(_) | Kernel::Exp | Kernel::FailOnDevice | Kernel::Fill(_) => {
-            first.shape().clone()
-        }
+        Kernel::Scale(_) | Kernel::Exp | Kernel::Fill(_) => first.shape().clone(),
+        #[cfg(feature = "testing")]
+        Kernel::FailOnDevice => first.shape().clone(),
     };
     Ok((shape, dtype))
 }
@@ -306,7 +309,8 @@ impl<R: StreamRuntime> FusionClient<R> {
     }
 
     /// Fault injection: a copy of `input` whose kernel fails *on the device*, after dispatch.
-    /// For tests of asynchronous error paths.
+    /// For tests of asynchronous error paths. Feature `testing`.
+    #[cfg(feature = "testing")]
     pub fn fail_on_device(&self, input: &FusionTensor<R>) -> Result<FusionTensor<R>> {
         self.launch_ref(Kernel::FailOnDevice, &[input])
     }

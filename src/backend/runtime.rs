@@ -194,6 +194,7 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
             }
             Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype.is_float(),
             // A burn backend has no way to fail on its device on demand.
+            #[cfg(feature = "testing")]
             Kernel::FailOnDevice => false,
         }
     }
@@ -252,6 +253,7 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
                 &ctx.device,
                 out.dtype.into(),
             )),
+            #[cfg(feature = "testing")]
             (Kernel::FailOnDevice, _) => {
                 return Err(Error::UnsupportedDType {
                     op: kernel.name(),

@@ -38,7 +38,8 @@ pub enum Kernel {
     /// `out = value` everywhere, no inputs.
     Fill(f64),
     /// A kernel that dispatches normally and then fails *on the device*, at execution time:
-    /// for tests of the asynchronous error paths. `out = input` otherwise.
+    /// for tests of the asynchronous error paths. `out = input` otherwise. Feature `testing`.
+    #[cfg(feature = "testing")]
     FailOnDevice,
 }
 
@@ -53,6 +54,7 @@ impl Kernel {
             Kernel::Sum => "sum",
             Kernel::Matmul => "matmul",
             Kernel::Fill(_) => "fill",
+            #[cfg(feature = "testing")]
             Kernel::FailOnDevice => "fail_on_device",
         }
     }

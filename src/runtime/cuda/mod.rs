@@ -329,6 +329,7 @@ impl StreamRuntime for CudaRuntime {
             Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype == DType::F32,
             // A kernel that fails on cubecl's server after dispatch (see `kernels::exp`). It
             // leaves cubecl's server unhealthy for the process.
+            #[cfg(feature = "testing")]
             Kernel::FailOnDevice => dtype == DType::F32,
         }
     }
@@ -515,6 +516,7 @@ impl StreamRuntime for CudaRuntime {
                 ));
                 target
             }
+            #[cfg(feature = "testing")]
             Kernel::FailOnDevice => {
                 let target = empty(client, bytes);
                 kernels::exp::launch::<CubeCuda>(

@@ -35,9 +35,11 @@ impl HostData {
 /// Whether the host device implements `kernel` for `dtype`.
 pub(crate) fn supports(kernel: &Kernel, dtype: DType) -> bool {
     match kernel {
-        Kernel::Add | Kernel::Mul | Kernel::Sum | Kernel::Fill(_) | Kernel::FailOnDevice => {
+        Kernel::Add | Kernel::Mul | Kernel::Sum | Kernel::Fill(_) => {
             matches!(dtype, DType::F32 | DType::I32)
         }
+        #[cfg(feature = "testing")]
+        Kernel::FailOnDevice => matches!(dtype, DType::F32 | DType::I32),
         Kernel::Scale(_) | Kernel::Exp | Kernel::Matmul => dtype == DType::F32,
     }
 }
@@ -116,6 +118,7 @@ pub(crate) fn compute(
             DType::I32 => I32(filled(kernel, out_shape.num_elements(), *v as i32)?),
             other => return Err(kernel_error(kernel, format!("unsupported dtype {other:?}"))),
         },
+        #[cfg(feature = "testing")]
         (Kernel::FailOnDevice, [_]) => {
             return Err(kernel_error(kernel, "injected device fault"));
         }

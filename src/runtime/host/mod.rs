@@ -11,7 +11,7 @@
 //! * **No reuse under a reader.** In-flight kernels own references to the buffers they read, so a
 //!   buffer is never freed or written in place while any stream still reads it.
 //! * **Execution-time failures.** A kernel can fail on the device after a successful dispatch
-//!   ([`crate::FusionClient::fail_on_device`]); its marker records the error, kernels reading the
+//!   (`FusionClient::fail_on_device`, feature `testing`); its marker records the error, kernels reading the
 //!   buffer propagate it, and the read that waits for it returns it.
 //! * **Teardown.** Dropping the last owner of the [`HostContext`] lets every worker finish what was
 //!   dispatched to it, then joins them.
@@ -199,23 +199,28 @@ impl HostContext {
 }
 
 /// Holds a host stream's worker; see [`HostContext::pause`]. Dropping it lets the stream run.
+/// Feature `testing`.
+#[cfg(feature = "testing")]
 #[must_use = "the stream resumes when this guard is dropped"]
 pub struct StreamPause {
     gate: Arc<Marker>,
 }
 
+#[cfg(feature = "testing")]
 impl fmt::Debug for StreamPause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StreamPause").finish_non_exhaustive()
     }
 }
 
+#[cfg(feature = "testing")]
 impl Drop for StreamPause {
     fn drop(&mut self) {
         self.gate.complete(Ok(()));
     }
 }
 
+#[cfg(feature = "testing")]
 impl HostContext {
     /// Hold `stream`'s worker: kernels dispatched to that stream stay pending (genuinely not
     /// run) until the returned guard is dropped. For tests and demonstrations of asynchronous
