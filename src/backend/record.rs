@@ -61,7 +61,9 @@ impl<B: BackendIr, I: Send + Sync> OpBody<BackendRuntime<B>> for BackendOp<B, I>
     }
 
     fn drop_runs_user_code(&self) -> bool {
-        // Its fields are burn IR structs and function pointers: plain data.
+        // Its fields are function pointers and `I`, which this crate alone chooses (`record` is
+        // crate-private): a burn IR struct, with `B::Device` for creation and random ops. Both
+        // are plain data; no executor capture or other user code lives in a backend op.
         false
     }
 }
