@@ -161,6 +161,10 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
         }
     }
 
+    fn is_foreign(&self) -> bool {
+        matches!(self, Local::Foreign { .. })
+    }
+
     /// Mint a foreign operand's view (materialising its source) and let go of a handed-over
     /// source; local operands pass through.
     fn into_local(self) -> Self {
@@ -409,9 +413,10 @@ impl<R: StreamRuntime> FusionClient<R> {
             }
         };
 
-        // 3.
-        let locals: SmallVec<[Local<'_, R>; 2]> =
-            crate::small::collect(locals.drain(..).map(Local::into_local));
+        // 3. (Most operations have local operands only: nothing to mint.)
+        if locals.iter().any(Local::is_foreign) {
+            locals = crate::small::collect(locals.drain(..).map(Local::into_local));
+        }
 
         // 4.
         let mut consumed: SmallVec<[FusionTensor<R>; 1]> = SmallVec::new();
@@ -425,7 +430,9 @@ impl<R: StreamRuntime> FusionClient<R> {
                     Some(owned) if ir.status == TensorStatus::ReadWrite => {
                         // The operation owns the id now: this struct must not free it.
                         owned.armed = false;
-                        state.shared_sources.remove(&owned.value.id);
+                        if !state.shared_sources.is_empty() {
+                            state.shared_sources.remove(&owned.value.id);
+                        }
                         consumed.push(tensor);
                     }
                     _ => read_only_owned.push(tensor),

@@ -102,7 +102,7 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
         context: &R::Context,
     ) -> Result<()>;
     /// The operands, with the status each has for this operation.
-    fn inputs(&self) -> &[TensorIr];
+    fn inputs(&self) -> Irs<'_>;
     /// The outputs (fresh ids).
     fn outputs(&self) -> &[TensorIr];
     /// The operation as burn's IR records it.
@@ -111,6 +111,53 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     /// drops such operations inside an error scope, which costs a copy of the name and outputs.
     fn drop_runs_user_code(&self) -> bool {
         true
+    }
+}
+
+/// The operand IRs of a queued operation, in order: a list, and for a binary IR struct (whose
+/// operands are two fields, not a slice) its second operand. Operations read their operands in
+/// place from whatever struct runs them, so recording one copies no IR.
+#[derive(Clone, Copy)]
+pub(crate) struct Irs<'a> {
+    head: &'a [TensorIr],
+    last: Option<&'a TensorIr>,
+}
+
+impl<'a> Irs<'a> {
+    /// The operands listed in `irs`.
+    pub(crate) fn list(irs: &'a [TensorIr]) -> Self {
+        Self {
+            head: irs,
+            last: None,
+        }
+    }
+
+    /// One operand.
+    pub(crate) fn one(ir: &'a TensorIr) -> Self {
+        Self::list(std::slice::from_ref(ir))
+    }
+
+    /// Two operands held apart.
+    pub(crate) fn pair(first: &'a TensorIr, second: &'a TensorIr) -> Self {
+        Self {
+            head: std::slice::from_ref(first),
+            last: Some(second),
+        }
+    }
+
+    /// The operands, in order.
+    pub(crate) fn iter(self) -> impl Iterator<Item = &'a TensorIr> + Clone {
+        self.head.iter().chain(self.last)
+    }
+}
+
+impl<'a> IntoIterator for Irs<'a> {
+    type Item = &'a TensorIr;
+    type IntoIter =
+        std::iter::Chain<std::slice::Iter<'a, TensorIr>, std::option::IntoIter<&'a TensorIr>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.head.iter().chain(self.last)
     }
 }
 
@@ -141,8 +188,8 @@ impl<R: StreamRuntime, O: FallibleOperation<R>> OpBody<R> for WithRepr<O> {
         self.operation.execute(handles)
     }
 
-    fn inputs(&self) -> &[TensorIr] {
-        &self.inputs
+    fn inputs(&self) -> Irs<'_> {
+        Irs::list(&self.inputs)
     }
 
     fn outputs(&self) -> &[TensorIr] {
@@ -179,8 +226,8 @@ impl<R: StreamRuntime, E: CustomExecutor<R>> OpBody<R> for CustomOperation<R, E>
         self.executor.execute(&self.ir, handles)
     }
 
-    fn inputs(&self) -> &[TensorIr] {
-        &self.ir.inputs
+    fn inputs(&self) -> Irs<'_> {
+        Irs::list(&self.ir.inputs)
     }
 
     fn outputs(&self) -> &[TensorIr] {

@@ -12,7 +12,6 @@ use crate::client::{FusionClient, Operand, Operands, hand_back};
 use crate::error::Rejected;
 use crate::operation::OpBody;
 use crate::runtime::{Kernel, KernelInput, StreamRuntime};
-use crate::stream::{IntoQueued, QueuedOp};
 use crate::tensor::FusionTensor;
 use crate::{Error, Result};
 
@@ -22,12 +21,6 @@ pub(crate) struct Builtin {
     kernel: Kernel,
     inputs: SmallVec<[TensorIr; 2]>,
     out: [TensorIr; 1],
-}
-
-impl<R: StreamRuntime> IntoQueued<R> for Builtin {
-    fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Builtin(self)
-    }
 }
 
 impl<R: StreamRuntime> OpBody<R> for Builtin {
@@ -50,8 +43,8 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
         Ok(())
     }
 
-    fn inputs(&self) -> &[TensorIr] {
-        &self.inputs
+    fn inputs(&self) -> crate::operation::Irs<'_> {
+        crate::operation::Irs::list(&self.inputs)
     }
 
     fn outputs(&self) -> &[TensorIr] {
@@ -60,6 +53,11 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
 
     fn repr(&self) -> OperationIr {
         kernel_ir(&self.kernel, &self.inputs, &self.out[0])
+    }
+
+    fn drop_runs_user_code(&self) -> bool {
+        // A kernel descriptor and IRs: plain data.
+        false
     }
 }
 
@@ -197,9 +195,9 @@ fn infer_output<R: StreamRuntime>(
             Shape::new([lhs[0], rhs[1]])
         }
         Kernel::Sum => Shape::new([1]),
-        Kernel::Scale(_) | Kernel::Exp | Kernel::Fill(_) => first.shape().clone(),
+        Kernel::Scale(_) | Kernel::Exp | Kernel::Fill(_) => crate::small::copy_shape(first.shape()),
         #[cfg(feature = "testing")]
-        Kernel::FailOnDevice => first.shape().clone(),
+        Kernel::FailOnDevice => crate::small::copy_shape(first.shape()),
     };
     Ok((shape, dtype))
 }
@@ -237,8 +235,9 @@ impl<R: StreamRuntime> FusionClient<R> {
         shape: Shape,
         dtype: DType,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
+        // Boxed here, outside the stream's lock (see `QueuedOp`).
         let build = |inputs| {
-            Ok(Builtin {
+            Ok(Box::new(Builtin {
                 kernel,
                 inputs,
                 out: [TensorIr {
@@ -247,7 +246,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                     status: burn_ir::TensorStatus::NotInit,
                     dtype,
                 }],
-            })
+            }))
         };
         let mut outputs = self.register(operands, build)?;
         Ok(outputs.pop().expect("one output"))

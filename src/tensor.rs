@@ -130,7 +130,7 @@ impl<R: StreamRuntime> FusionTensor<R> {
     pub(crate) fn ir(&self, status: TensorStatus) -> TensorIr {
         TensorIr {
             id: self.inner.id,
-            shape: self.inner.shape.clone(),
+            shape: crate::small::copy_shape(&self.inner.shape),
             status,
             dtype: self.inner.dtype,
         }

@@ -6,6 +6,7 @@ use burn_ir::{BackendIr, BoolOperationIr, OperationIr};
 
 use super::StreamFusion;
 use super::macros::*;
+use super::record::Take as _;
 
 impl<B: BackendIr> BoolTensorOps<Self> for StreamFusion<B> {
     creation_ops!(register_bool_tensor, BoolDType;
@@ -16,23 +17,23 @@ impl<B: BackendIr> BoolTensorOps<Self> for StreamFusion<B> {
         to_device: bool_to_device,
     );
     cast_ops!(
-        bool_into_int(get_bool_tensor -> register_int_tensor, IntDType): |ir| {
+        bool_into_int(take_bool -> register_int_tensor, IntDType): |ir| {
             OperationIr::Bool(BoolOperationIr::IntoInt(ir.clone()))
         },
-        bool_into_float(get_bool_tensor -> register_float_tensor, FloatDType): |ir| {
+        bool_into_float(take_bool -> register_float_tensor, FloatDType): |ir| {
             OperationIr::Bool(BoolOperationIr::IntoFloat(ir.clone()))
         },
     );
 
-    unary_ops!(get_bool_tensor, register_bool_tensor; bool_not: Bool::Not);
+    unary_ops!(take_bool, register_bool_tensor; bool_not: Bool::Not);
 
-    binary_ops!(get_bool_tensor, register_bool_tensor;
+    binary_ops!(take_bool, register_bool_tensor;
         bool_equal: BaseBool::Equal, bool_and: Bool::And, bool_or: Bool::Or,
     );
 
-    scalar_ops!(get_bool_tensor, register_bool_tensor; bool_equal_elem: BaseBool::EqualElem);
+    scalar_ops!(take_bool, register_bool_tensor; bool_equal_elem: BaseBool::EqualElem);
 
-    base_ops!(get_bool_tensor, register_bool_tensor, BaseBool;
+    base_ops!(take_bool, register_bool_tensor, BaseBool;
         reshape: bool_reshape, expand: bool_expand, swap_dims: bool_swap_dims,
         permute: bool_permute, flip: bool_flip, unfold: bool_unfold, slice: bool_slice,
         slice_assign: bool_slice_assign, select: bool_select, select_assign: bool_select_or,

@@ -7,6 +7,7 @@ use burn_ir::{BackendIr, CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr, R
 
 use super::StreamFusion;
 use super::macros::*;
+use super::record::Take as _;
 use super::record::{client_of, record_one};
 
 impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
@@ -19,15 +20,15 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
         OperationIr::Float(ir.out.dtype, FloatOperationIr::Random(ir.clone()))
     });
     cast_ops!(
-        float_into_int(get_float_tensor -> register_int_tensor, IntDType): |ir| {
+        float_into_int(take_float -> register_int_tensor, IntDType): |ir| {
             OperationIr::Float(ir.input.dtype, FloatOperationIr::IntoInt(ir.clone()))
         },
-        float_cast(get_float_tensor -> register_float_tensor, FloatDType): |ir| {
+        float_cast(take_float -> register_float_tensor, FloatDType): |ir| {
             wrap!(BaseFloat, Cast, ir.out.dtype, ir)
         },
     );
 
-    unary_ops!(get_float_tensor, register_float_tensor;
+    unary_ops!(take_float, register_float_tensor;
         float_exp: Float::Exp, float_log: Float::Log, float_log1p: Float::Log1p,
         float_erf: Float::Erf, float_sqrt: Float::Sqrt, float_recip: Float::Recip,
         float_cos: Float::Cos, float_sin: Float::Sin, float_tan: Float::Tan,
@@ -38,49 +39,49 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
         float_trunc: Float::Trunc, float_abs: NumericFloat::Abs,
     );
 
-    binary_ops!(get_float_tensor, register_float_tensor;
+    binary_ops!(take_float, register_float_tensor;
         float_add: NumericFloat::Add, float_sub: NumericFloat::Sub,
         float_mul: NumericFloat::Mul, float_div: NumericFloat::Div,
         float_remainder: NumericFloat::Rem, float_atan2: Float::ArcTan2,
         float_powf: Float::Powf,
     );
 
-    scalar_ops!(get_float_tensor, register_float_tensor;
+    scalar_ops!(take_float, register_float_tensor;
         float_add_scalar: NumericFloat::AddScalar, float_sub_scalar: NumericFloat::SubScalar,
         float_mul_scalar: NumericFloat::MulScalar, float_div_scalar: NumericFloat::DivScalar,
         float_remainder_scalar: NumericFloat::RemScalar,
         float_powf_scalar_impl: Float::PowfScalar,
     );
 
-    compare_ops!(get_float_tensor;
+    compare_ops!(take_float;
         float_equal: BaseFloat::Equal, float_greater: NumericFloat::Greater,
         float_greater_equal: NumericFloat::GreaterEqual, float_lower: NumericFloat::Lower,
         float_lower_equal: NumericFloat::LowerEqual,
     );
 
-    compare_scalar_ops!(get_float_tensor;
+    compare_scalar_ops!(take_float;
         float_equal_elem: BaseFloat::EqualElem, float_greater_elem: NumericFloat::GreaterElem,
         float_greater_equal_elem: NumericFloat::GreaterEqualElem,
         float_lower_elem: NumericFloat::LowerElem,
         float_lower_equal_elem: NumericFloat::LowerEqualElem,
     );
 
-    reduce_dim_ops!(get_float_tensor, register_float_tensor;
+    reduce_dim_ops!(take_float, register_float_tensor;
         float_sum_dim: NumericFloat::SumDim, float_mean_dim: NumericFloat::MeanDim,
         float_prod_dim: NumericFloat::ProdDim, float_max_dim: NumericFloat::MaxDim,
         float_min_dim: NumericFloat::MinDim, float_max_abs_dim: NumericFloat::MaxAbsDim,
     );
 
-    arg_reduce_ops!(get_float_tensor;
+    arg_reduce_ops!(take_float;
         float_argmax: NumericFloat::ArgMax, float_argmin: NumericFloat::ArgMin,
     );
 
-    dim_ops!(get_float_tensor, register_float_tensor;
+    dim_ops!(take_float, register_float_tensor;
         float_cumsum: NumericFloat::CumSum, float_cumprod: NumericFloat::CumProd,
         float_cummin: NumericFloat::CumMin, float_cummax: NumericFloat::CumMax,
     );
 
-    base_ops!(get_float_tensor, register_float_tensor, BaseFloat;
+    base_ops!(take_float, register_float_tensor, BaseFloat;
         reshape: float_reshape, expand: float_expand, swap_dims: float_swap_dims,
         permute: float_permute, flip: float_flip, unfold: float_unfold, slice: float_slice,
         slice_assign: float_slice_assign, select: float_select, select_assign: float_select_add,
@@ -88,7 +89,7 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
         mask_fill: float_mask_fill, gather_nd: float_gather_nd, scatter_nd: float_scatter_nd,
     );
 
-    reduce_ops!(get_float_tensor, register_float_tensor;
+    reduce_ops!(take_float, register_float_tensor;
         float_sum: NumericFloat::Sum, float_prod: NumericFloat::Prod,
         float_mean: NumericFloat::Mean, float_max: NumericFloat::Max,
         float_min: NumericFloat::Min, float_max_abs: NumericFloat::MaxAbs,
@@ -108,7 +109,7 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
             |i, id| ReduceDimOpIr::create_arg(i[0].clone(), dim, k, out_dtype.into(), id),
             |ir| wrap!(NumericFloat, ArgTopK, ir.input.dtype, ir),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.input);
+                let x = h.take_float::<B>(&ir.input);
                 let out = B::float_argtopk(x, ir.axis, ir.accumulator_len, ir.out.dtype.into());
                 h.register_int_tensor::<B>(&ir.out.id, out);
             },
@@ -124,10 +125,7 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
             |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
             |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Matmul(ir.clone())),
             |ir, h| {
-                let (l, r) = (
-                    h.get_float_tensor::<B>(&ir.lhs),
-                    h.get_float_tensor::<B>(&ir.rhs),
-                );
+                let (l, r) = (h.take_float::<B>(&ir.lhs), h.take_float::<B>(&ir.rhs));
                 h.register_float_tensor::<B>(&ir.out.id, B::float_matmul(l, r));
             },
         )
@@ -146,10 +144,7 @@ impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
             |i, id| CrossOpIr::create(i[0].clone(), i[1].clone(), dim, id),
             |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Cross(ir.clone())),
             |ir, h| {
-                let (l, r) = (
-                    h.get_float_tensor::<B>(&ir.lhs),
-                    h.get_float_tensor::<B>(&ir.rhs),
-                );
+                let (l, r) = (h.take_float::<B>(&ir.lhs), h.take_float::<B>(&ir.rhs));
                 h.register_float_tensor::<B>(&ir.out.id, B::float_cross(l, r, ir.dim));
             },
         )

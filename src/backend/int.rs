@@ -9,6 +9,7 @@ use burn_ir::{
 
 use super::StreamFusion;
 use super::macros::*;
+use super::record::Take as _;
 use super::record::{client_of, record_one};
 
 /// `int_argmax`/`int_argmin`/`int_argtopk`: an int result of the input's dtype.
@@ -23,7 +24,7 @@ macro_rules! int_arg_ops {
                 |i, id| ReduceDimOpIr::create(i[0].clone(), dim, 1, id),
                 |ir| wrap!(NumericInt, $v, ir.input.dtype, ir),
                 |ir, h| {
-                    let x = h.get_int_tensor::<B>(&ir.input);
+                    let x = h.take_int::<B>(&ir.input);
                     h.register_int_tensor::<B>(&ir.out.id, B::$f(x, ir.axis));
                 },
             )
@@ -41,10 +42,10 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
         OperationIr::NumericInt(ir.out.dtype, NumericOperationIr::IntRandom(ir.clone()))
     });
     cast_ops!(
-        int_into_float(get_int_tensor -> register_float_tensor, FloatDType): |ir| {
+        int_into_float(take_int -> register_float_tensor, FloatDType): |ir| {
             OperationIr::Int(IntOperationIr::IntoFloat(ir.clone()))
         },
-        int_cast(get_int_tensor -> register_int_tensor, IntDType): |ir| {
+        int_cast(take_int -> register_int_tensor, IntDType): |ir| {
             wrap!(BaseInt, Cast, ir.out.dtype, ir)
         },
     );
@@ -58,10 +59,7 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
             |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
             |ir| OperationIr::Int(IntOperationIr::Matmul(ir.clone())),
             |ir, h| {
-                let (l, r) = (
-                    h.get_int_tensor::<B>(&ir.lhs),
-                    h.get_int_tensor::<B>(&ir.rhs),
-                );
+                let (l, r) = (h.take_int::<B>(&ir.lhs), h.take_int::<B>(&ir.rhs));
                 h.register_int_tensor::<B>(&ir.out.id, B::int_matmul(l, r));
             },
         )
@@ -76,7 +74,7 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
             |i, id| ReduceDimOpIr::create(i[0].clone(), dim, k, id),
             |ir| wrap!(NumericInt, ArgTopK, ir.input.dtype, ir),
             |ir, h| {
-                let x = h.get_int_tensor::<B>(&ir.input);
+                let x = h.take_int::<B>(&ir.input);
                 let out = B::int_argtopk(x, ir.axis, ir.accumulator_len);
                 h.register_int_tensor::<B>(&ir.out.id, out);
             },
@@ -84,16 +82,16 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
     }
 
     int_arg_ops!(int_argmax: ArgMax, int_argmin: ArgMin);
-    reduce_ops!(get_int_tensor, register_int_tensor;
+    reduce_ops!(take_int, register_int_tensor;
         int_sum: NumericInt::Sum, int_prod: NumericInt::Prod, int_mean: NumericInt::Mean,
         int_max: NumericInt::Max, int_min: NumericInt::Min, int_max_abs: NumericInt::MaxAbs,
     );
 
-    unary_ops!(get_int_tensor, register_int_tensor;
+    unary_ops!(take_int, register_int_tensor;
         int_abs: NumericInt::Abs, bitwise_not: Int::BitwiseNot,
     );
 
-    binary_ops!(get_int_tensor, register_int_tensor;
+    binary_ops!(take_int, register_int_tensor;
         int_add: NumericInt::Add, int_sub: NumericInt::Sub, int_mul: NumericInt::Mul,
         int_div: NumericInt::Div, int_remainder: NumericInt::Rem,
         bitwise_and: Int::BitwiseAnd, bitwise_or: Int::BitwiseOr, bitwise_xor: Int::BitwiseXor,
@@ -101,7 +99,7 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
         bitwise_right_shift: Int::BitwiseRightShift,
     );
 
-    scalar_ops!(get_int_tensor, register_int_tensor;
+    scalar_ops!(take_int, register_int_tensor;
         int_add_scalar: NumericInt::AddScalar, int_sub_scalar: NumericInt::SubScalar,
         int_mul_scalar: NumericInt::MulScalar, int_div_scalar: NumericInt::DivScalar,
         int_remainder_scalar: NumericInt::RemScalar,
@@ -111,30 +109,30 @@ impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
         bitwise_right_shift_scalar: Int::BitwiseRightShiftScalar,
     );
 
-    compare_ops!(get_int_tensor;
+    compare_ops!(take_int;
         int_equal: BaseInt::Equal, int_greater: NumericInt::Greater,
         int_greater_equal: NumericInt::GreaterEqual, int_lower: NumericInt::Lower,
         int_lower_equal: NumericInt::LowerEqual,
     );
 
-    compare_scalar_ops!(get_int_tensor;
+    compare_scalar_ops!(take_int;
         int_equal_elem: BaseInt::EqualElem, int_greater_elem: NumericInt::GreaterElem,
         int_greater_equal_elem: NumericInt::GreaterEqualElem,
         int_lower_elem: NumericInt::LowerElem, int_lower_equal_elem: NumericInt::LowerEqualElem,
     );
 
-    reduce_dim_ops!(get_int_tensor, register_int_tensor;
+    reduce_dim_ops!(take_int, register_int_tensor;
         int_sum_dim: NumericInt::SumDim, int_prod_dim: NumericInt::ProdDim,
         int_mean_dim: NumericInt::MeanDim, int_max_dim: NumericInt::MaxDim,
         int_min_dim: NumericInt::MinDim, int_max_abs_dim: NumericInt::MaxAbsDim,
     );
 
-    dim_ops!(get_int_tensor, register_int_tensor;
+    dim_ops!(take_int, register_int_tensor;
         int_cumsum: NumericInt::CumSum, int_cumprod: NumericInt::CumProd,
         int_cummin: NumericInt::CumMin, int_cummax: NumericInt::CumMax,
     );
 
-    base_ops!(get_int_tensor, register_int_tensor, BaseInt;
+    base_ops!(take_int, register_int_tensor, BaseInt;
         reshape: int_reshape, expand: int_expand, swap_dims: int_swap_dims,
         permute: int_permute, flip: int_flip, unfold: int_unfold, slice: int_slice,
         slice_assign: int_slice_assign, select: int_select, select_assign: int_select_add,

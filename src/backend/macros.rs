@@ -320,7 +320,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::SelectOpIr::create(i[0].clone(), dim, i[1].clone(), id),
                 |ir| wrap!($fam, Select, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices));
+                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
                     h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx));
                 })
         }
@@ -332,7 +332,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::SelectAssignOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
                 |ir| wrap!($fam, SelectAssign, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.value));
+                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
                     h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx, v));
                 })
         }
@@ -344,7 +344,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::GatherOpIr::create(i[0].clone(), dim, i[1].clone(), id),
                 |ir| wrap!($fam, Gather, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices));
+                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
                     h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx));
                 })
         }
@@ -356,7 +356,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::ScatterOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
                 |ir| wrap!($fam, Scatter, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.value));
+                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
                     h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx, v));
                 })
         }
@@ -368,7 +368,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::MaskWhereOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), id),
                 |ir| wrap!($fam, MaskWhere, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, m, v) = (h.$get::<B>(&ir.tensor), h.get_bool_tensor::<B>(&ir.mask), h.$get::<B>(&ir.value));
+                    let (x, m, v) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask), h.$get::<B>(&ir.value));
                     h.$put::<B>(&ir.out.id, B::$f(x, m, v));
                 })
         }
@@ -380,7 +380,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::GatherNdOpIr::create(i[0].clone(), i[1].clone(), id),
                 |ir| wrap!($fam, GatherNd, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.data), h.get_int_tensor::<B>(&ir.indices));
+                    let (x, idx) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices));
                     h.$put::<B>(&ir.out.id, B::$f(x, idx));
                 })
         }
@@ -392,7 +392,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::ScatterNdOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), reduction, id),
                 |ir| wrap!($fam, ScatterNd, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.data), h.get_int_tensor::<B>(&ir.indices), h.$get::<B>(&ir.values));
+                    let (x, idx, v) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.values));
                     h.$put::<B>(&ir.out.id, B::$f(x, idx, v, ir.reduction));
                 })
         }
@@ -404,7 +404,7 @@ macro_rules! base_ops {
                 |i, id| burn_ir::MaskFillOpIr::create(i[0].clone(), i[1].clone(), value.into(), id),
                 |ir| wrap!($fam, MaskFill, ir.out.dtype, ir),
                 |ir, h| {
-                    let (x, m) = (h.$get::<B>(&ir.tensor), h.get_bool_tensor::<B>(&ir.mask));
+                    let (x, m) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask));
                     h.$put::<B>(&ir.out.id, B::$f(x, m, ir.value.into()));
                 })
         }

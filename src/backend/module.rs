@@ -18,6 +18,7 @@ use burn_ir::{
 };
 
 use super::StreamFusion;
+use super::record::Take as _;
 use super::record::{Tensor, client_of, record, record_one};
 
 /// Operands, then the optional ones that are present.
@@ -63,9 +64,9 @@ macro_rules! conv_ops {
                 },
                 |ir| module(ModuleOperationIr::$v(ir.clone())),
                 |ir, h| {
-                    let x = h.get_float_tensor::<B>(&ir.x);
-                    let w = h.get_float_tensor::<B>(&ir.weight);
-                    let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
+                    let x = h.take_float::<B>(&ir.x);
+                    let w = h.take_float::<B>(&ir.weight);
+                    let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
                     let out = B::$f(x, w, b, ir.options.clone().into());
                     h.register_float_tensor::<B>(&ir.out.id, out);
                 },
@@ -113,11 +114,11 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::DeformableConv2d(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let offset = h.get_float_tensor::<B>(&ir.offset);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let m = ir.mask.as_ref().map(|m| h.get_float_tensor::<B>(m));
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
+                let x = h.take_float::<B>(&ir.x);
+                let offset = h.take_float::<B>(&ir.offset);
+                let w = h.take_float::<B>(&ir.weight);
+                let m = ir.mask.as_ref().map(|m| h.take_float::<B>(m));
+                let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
                 let out = B::deform_conv2d(x, offset, w, m, b, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
@@ -158,12 +159,12 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::DeformableConv2dBackward(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let offset = h.get_float_tensor::<B>(&ir.offset);
-                let w = h.get_float_tensor::<B>(&ir.weight);
-                let m = ir.mask.as_ref().map(|m| h.get_float_tensor::<B>(m));
-                let b = ir.bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
-                let g = h.get_float_tensor::<B>(&ir.out_grad);
+                let x = h.take_float::<B>(&ir.x);
+                let offset = h.take_float::<B>(&ir.offset);
+                let w = h.take_float::<B>(&ir.weight);
+                let m = ir.mask.as_ref().map(|m| h.take_float::<B>(m));
+                let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
+                let g = h.take_float::<B>(&ir.out_grad);
                 let out =
                     B::deform_conv2d_backward(x, offset, w, m, b, g, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.input_grad.id, out.x_grad);
@@ -212,7 +213,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::AvgPool2d(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
+                let x = h.take_float::<B>(&ir.x);
                 let out = B::avg_pool2d(
                     x,
                     ir.kernel_size,
@@ -255,10 +256,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::AvgPool2dBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (
-                    h.get_float_tensor::<B>(&ir.x),
-                    h.get_float_tensor::<B>(&ir.grad),
-                );
+                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
                 let out = B::avg_pool2d_backward(
                     x,
                     grad,
@@ -282,7 +280,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             |i, id| AdaptiveAvgPool2dOpIr::create(i[0].clone(), output_size, id),
             |ir| module(ModuleOperationIr::AdaptiveAvgPool2d(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
+                let x = h.take_float::<B>(&ir.x);
                 h.register_float_tensor::<B>(&ir.out.id, B::adaptive_avg_pool2d(x, ir.output_size));
             },
         )
@@ -300,10 +298,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             |i, id| AdaptiveAvgPool2dBackwardOpIr::create(i[0].clone(), i[1].clone(), id),
             |ir| module(ModuleOperationIr::AdaptiveAvgPool2dBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (
-                    h.get_float_tensor::<B>(&ir.x),
-                    h.get_float_tensor::<B>(&ir.grad),
-                );
+                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
                 h.register_float_tensor::<B>(&ir.out.id, B::adaptive_avg_pool2d_backward(x, grad));
             },
         )
@@ -328,7 +323,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::MaxPool2d(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
+                let x = h.take_float::<B>(&ir.x);
                 let out = B::max_pool2d(
                     x,
                     ir.kernel_size,
@@ -371,7 +366,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::MaxPool2dWithIndices(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
+                let x = h.take_float::<B>(&ir.x);
                 let out = B::max_pool2d_with_indices(
                     x,
                     ir.kernel_size,
@@ -421,9 +416,9 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::MaxPool2dWithIndicesBackward(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
-                let grad = h.get_float_tensor::<B>(&ir.grad);
-                let indices = h.get_int_tensor::<B>(&ir.indices);
+                let x = h.take_float::<B>(&ir.x);
+                let grad = h.take_float::<B>(&ir.grad);
+                let indices = h.take_int::<B>(&ir.indices);
                 let out = B::max_pool2d_with_indices_backward(
                     x,
                     ir.kernel_size,
@@ -453,7 +448,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             |i, id| InterpolateOpIr::create(i[0].clone(), output_size, options.into(), id),
             |ir| module(ModuleOperationIr::Interpolate(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.x);
+                let x = h.take_float::<B>(&ir.x);
                 let out = B::interpolate(x, ir.output_size, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
@@ -477,10 +472,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::InterpolateBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (
-                    h.get_float_tensor::<B>(&ir.x),
-                    h.get_float_tensor::<B>(&ir.grad),
-                );
+                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
                 let out =
                     B::interpolate_backward(x, grad, ir.output_size, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
@@ -511,11 +503,11 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             },
             |ir| module(ModuleOperationIr::Attention(ir.clone())),
             |ir, h| {
-                let q = h.get_float_tensor::<B>(&ir.query);
-                let k = h.get_float_tensor::<B>(&ir.key);
-                let v = h.get_float_tensor::<B>(&ir.value);
-                let m = ir.mask.as_ref().map(|m| h.get_bool_tensor::<B>(m));
-                let b = ir.attn_bias.as_ref().map(|b| h.get_float_tensor::<B>(b));
+                let q = h.take_float::<B>(&ir.query);
+                let k = h.take_float::<B>(&ir.key);
+                let v = h.take_float::<B>(&ir.value);
+                let m = ir.mask.as_ref().map(|m| h.take_bool::<B>(m));
+                let b = ir.attn_bias.as_ref().map(|b| h.take_float::<B>(b));
                 let out = B::attention(q, k, v, m, b, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
@@ -535,7 +527,7 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             |i, id| RfftOpIr::create(i[0].clone(), dim, n, id),
             |ir| module(ModuleOperationIr::Rfft(ir.clone())),
             |ir, h| {
-                let signal = h.get_float_tensor::<B>(&ir.signal);
+                let signal = h.take_float::<B>(&ir.signal);
                 let (re, im) = B::rfft(signal, ir.dim, ir.n);
                 h.register_float_tensor::<B>(&ir.out_re.id, re);
                 h.register_float_tensor::<B>(&ir.out_im.id, im);
@@ -562,8 +554,8 @@ impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
             |ir| module(ModuleOperationIr::IRfft(ir.clone())),
             |ir, h| {
                 let (re, im) = (
-                    h.get_float_tensor::<B>(&ir.input_re),
-                    h.get_float_tensor::<B>(&ir.input_im),
+                    h.take_float::<B>(&ir.input_re),
+                    h.take_float::<B>(&ir.input_im),
                 );
                 h.register_float_tensor::<B>(&ir.out_signal.id, B::irfft(re, im, ir.dim, ir.n));
             },

@@ -11,6 +11,7 @@ use burn_ir::{
 
 use super::StreamFusion;
 use super::macros::*;
+use super::record::Take as _;
 use super::record::{client_of, record_one};
 
 impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
@@ -37,8 +38,8 @@ impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
             },
             |ir| OperationIr::Float(ir.tensor.dtype, FloatOperationIr::Quantize(ir.clone())),
             |ir, h| {
-                let x = h.get_float_tensor::<B>(&ir.tensor);
-                let scales = h.get_float_tensor::<B>(&ir.qparams.scales);
+                let x = h.take_float::<B>(&ir.tensor);
+                let scales = h.take_float::<B>(&ir.qparams.scales);
                 let qparams = QuantizationParametersPrimitive { scales };
                 let out = B::quantize(x, &ir.scheme, qparams);
                 h.register_quantized_tensor::<B>(&ir.out.id, out);

@@ -8,13 +8,13 @@
 //! (burn's own builder, usually), its [`OperationIr`] variant, and its run function.
 
 use burn_ir::{
-    BackendIr, BinaryOpIr, HandleContainer, OperationIr, ScalarIr, ScalarOpIr, TensorId, TensorIr,
-    UnaryOpIr,
+    BackendIr, BinaryOpIr, HandleContainer, OperationIr, ScalarIr, ScalarOpIr, TensorHandle,
+    TensorId, TensorIr, UnaryOpIr,
 };
 use smallvec::SmallVec;
 
 use super::runtime::BackendRuntime;
-use crate::operation::OpBody;
+use crate::operation::{Irs, OpBody};
 use crate::{FusionClient, FusionTensor, Operand, Result};
 
 /// A tensor of the stream-fusion backend over `B`.
@@ -22,17 +22,88 @@ pub type Tensor<B> = FusionTensor<BackendRuntime<B>>;
 /// The handle map an operation runs against.
 pub type Handles<B> = HandleContainer<<B as BackendIr>::Handle>;
 
-/// A queued backend operation: its IR, and how to run it and describe it.
-pub(crate) struct BackendOp<B: BackendIr, I> {
-    pub(crate) name: &'static str,
-    pub(crate) ir: I,
-    inputs: SmallVec<[TensorIr; 2]>,
-    outputs: SmallVec<[TensorIr; 1]>,
-    run: fn(&I, &mut Handles<B>),
-    repr: fn(&I) -> OperationIr,
+/// The IR struct a queued backend operation runs from, and where its operands and outputs sit.
+///
+/// The elementwise IRs (one struct per op, most of a model's ops) are their own lists: their
+/// operand and output fields are read in place, so recording one copies no IR. Any other IR
+/// struct goes in a [`Listed`], which keeps the lists beside it.
+pub(crate) trait OpIr: Send + Sync + 'static {
+    /// What the operation's run and describe functions take.
+    type Ir;
+    fn ir(&self) -> &Self::Ir;
+    fn inputs(&self) -> Irs<'_>;
+    fn outputs(&self) -> &[TensorIr];
 }
 
-impl<B: BackendIr, I: Send + Sync> OpBody<BackendRuntime<B>> for BackendOp<B, I> {
+impl OpIr for UnaryOpIr {
+    type Ir = Self;
+    fn ir(&self) -> &Self {
+        self
+    }
+    fn inputs(&self) -> Irs<'_> {
+        Irs::one(&self.input)
+    }
+    fn outputs(&self) -> &[TensorIr] {
+        std::slice::from_ref(&self.out)
+    }
+}
+
+impl OpIr for ScalarOpIr {
+    type Ir = Self;
+    fn ir(&self) -> &Self {
+        self
+    }
+    fn inputs(&self) -> Irs<'_> {
+        Irs::one(&self.lhs)
+    }
+    fn outputs(&self) -> &[TensorIr] {
+        std::slice::from_ref(&self.out)
+    }
+}
+
+impl OpIr for BinaryOpIr {
+    type Ir = Self;
+    fn ir(&self) -> &Self {
+        self
+    }
+    fn inputs(&self) -> Irs<'_> {
+        Irs::pair(&self.lhs, &self.rhs)
+    }
+    fn outputs(&self) -> &[TensorIr] {
+        std::slice::from_ref(&self.out)
+    }
+}
+
+/// An IR struct with its operand and output lists kept beside it (the outputs read off its
+/// [`OperationIr`] once, at recording).
+pub(crate) struct Listed<I> {
+    ir: I,
+    inputs: SmallVec<[TensorIr; 2]>,
+    outputs: SmallVec<[TensorIr; 1]>,
+}
+
+impl<I: Send + Sync + 'static> OpIr for Listed<I> {
+    type Ir = I;
+    fn ir(&self) -> &I {
+        &self.ir
+    }
+    fn inputs(&self) -> Irs<'_> {
+        Irs::list(&self.inputs)
+    }
+    fn outputs(&self) -> &[TensorIr] {
+        &self.outputs
+    }
+}
+
+/// A queued backend operation: its IR, and how to run it and describe it.
+pub(crate) struct BackendOp<B: BackendIr, L: OpIr> {
+    name: &'static str,
+    ir: L,
+    run: fn(&L::Ir, &mut Handles<B>),
+    repr: fn(&L::Ir) -> OperationIr,
+}
+
+impl<B: BackendIr, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
     fn name(&self) -> &str {
         self.name
     }
@@ -44,26 +115,26 @@ impl<B: BackendIr, I: Send + Sync> OpBody<BackendRuntime<B>> for BackendOp<B, I>
     ) -> Result<()> {
         // A backend reports failure by panicking; the engine contains it and records it on the
         // outputs.
-        (self.run)(&self.ir, handles);
+        (self.run)(self.ir.ir(), handles);
         Ok(())
     }
 
-    fn inputs(&self) -> &[TensorIr] {
-        &self.inputs
+    fn inputs(&self) -> Irs<'_> {
+        self.ir.inputs()
     }
 
     fn outputs(&self) -> &[TensorIr] {
-        &self.outputs
+        self.ir.outputs()
     }
 
     fn repr(&self) -> OperationIr {
-        (self.repr)(&self.ir)
+        (self.repr)(self.ir.ir())
     }
 
     fn drop_runs_user_code(&self) -> bool {
-        // Its fields are function pointers and `I`, which this crate alone chooses (`record` is
-        // crate-private): a burn IR struct, with `B::Device` for creation and random ops. Both
-        // are plain data; no executor capture or other user code lives in a backend op.
+        // Its fields are function pointers and an IR struct, which this crate alone chooses
+        // (`record` is crate-private): a burn IR struct, with `B::Device` for creation and random
+        // ops. Both are plain data; no executor capture or other user code lives in a backend op.
         false
     }
 }
@@ -87,30 +158,35 @@ pub(crate) fn record<B: BackendIr, I: Send + Sync + 'static>(
     repr: fn(&I) -> OperationIr,
     run: fn(&I, &mut Handles<B>),
 ) -> SmallVec<[Tensor<B>; 1]> {
-    // The outputs are read off the operation's burn IR once, here, not on every use.
-    let outputs = |ir: &I| repr(ir).outputs().cloned().collect();
-    record_with(client, name, operands, ir, outputs, repr, run)
+    let listed = |inputs: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+        let ir = ir(&inputs, id);
+        // The outputs are read off the operation's burn IR once, here, not on every use.
+        let outputs = repr(&ir).outputs().cloned().collect();
+        Listed {
+            ir,
+            inputs,
+            outputs,
+        }
+    };
+    record_ir(client, name, operands, listed, repr, run)
 }
 
-/// [`record`] with the outputs taken straight from the IR struct (the elementwise fast path:
-/// no [`OperationIr`] is built just to list them).
-fn record_with<B: BackendIr, I: Send + Sync + 'static>(
+/// [`record`] for an IR struct that lists its own operands and outputs ([`OpIr`]): `ir` takes
+/// the operand IRs by value, to move them into the struct.
+fn record_ir<B: BackendIr, L: OpIr>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
-    ir: impl FnOnce(&[TensorIr], &mut dyn FnMut() -> TensorId) -> I,
-    outputs: impl FnOnce(&I) -> SmallVec<[TensorIr; 1]>,
-    repr: fn(&I) -> OperationIr,
-    run: fn(&I, &mut Handles<B>),
+    ir: impl FnOnce(SmallVec<[TensorIr; 2]>, &mut dyn FnMut() -> TensorId) -> L,
+    repr: fn(&L::Ir) -> OperationIr,
+    run: fn(&L::Ir, &mut Handles<B>),
 ) -> SmallVec<[Tensor<B>; 1]> {
     let operands = crate::small::collect(operands.into_iter().map(Operand::Consume));
     let build = |inputs: SmallVec<[TensorIr; 2]>| {
         // The operands' IRs are the operation's inputs, in order.
-        let ir = ir(&inputs, &mut crate::id::fresh_tensor_id);
-        Ok(Box::new(BackendOp::<B, I> {
+        let ir = ir(inputs, &mut crate::id::fresh_tensor_id);
+        Ok(Box::new(BackendOp::<B, L> {
             name,
-            inputs,
-            outputs: outputs(&ir),
             ir,
             run,
             repr,
@@ -122,18 +198,16 @@ fn record_with<B: BackendIr, I: Send + Sync + 'static>(
     }
 }
 
-/// [`record_with`] for an operation whose IR has one output, `out`.
-fn record_out<B: BackendIr, I: Send + Sync + 'static>(
+/// [`record_ir`] for an operation with one output.
+fn record_out<B: BackendIr, L: OpIr>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
-    ir: impl FnOnce(&[TensorIr], &mut dyn FnMut() -> TensorId) -> I,
-    out: fn(&I) -> &TensorIr,
-    repr: fn(&I) -> OperationIr,
-    run: fn(&I, &mut Handles<B>),
+    ir: impl FnOnce(SmallVec<[TensorIr; 2]>, &mut dyn FnMut() -> TensorId) -> L,
+    repr: fn(&L::Ir) -> OperationIr,
+    run: fn(&L::Ir, &mut Handles<B>),
 ) -> Tensor<B> {
-    let outputs = |ir: &I| smallvec::smallvec![out(ir).clone()];
-    let mut outputs = record_with(client, name, operands, ir, outputs, repr, run);
+    let mut outputs = record_ir(client, name, operands, ir, repr, run);
     outputs.swap_remove(0)
 }
 
@@ -151,6 +225,21 @@ pub(crate) fn record_one<B: BackendIr, I: Send + Sync + 'static>(
     outputs.swap_remove(0)
 }
 
+/// The one operand of a unary or scalar operation, moved out of its list.
+fn only(mut inputs: SmallVec<[TensorIr; 2]>) -> TensorIr {
+    debug_assert_eq!(inputs.len(), 1);
+    inputs.pop().expect("one operand")
+}
+
+/// An output of `input`'s shape (burn's unary and scalar builders clone it the slow way).
+fn same_shape(input: &TensorIr, dtype: Option<burn_backend::DType>, id: TensorId) -> TensorIr {
+    TensorIr::uninit(
+        id,
+        crate::small::copy_shape(&input.shape),
+        dtype.unwrap_or(input.dtype),
+    )
+}
+
 /// The client a tensor's operation is recorded on.
 pub(crate) fn client_of<B: BackendIr>(tensor: &Tensor<B>) -> FusionClient<BackendRuntime<B>> {
     tensor.client().clone()
@@ -165,11 +254,14 @@ pub(crate) fn unary<B: BackendIr>(
     run: fn(&UnaryOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
     let client = client_of(&input);
-    let ir = |i: &[TensorIr], id: &mut dyn FnMut() -> TensorId| match out_dtype {
-        Some(dtype) => UnaryOpIr::create_comparison(i[0].clone(), dtype, id),
-        None => UnaryOpIr::create(i[0].clone(), id),
+    let ir = |i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+        let input = only(i);
+        UnaryOpIr {
+            out: same_shape(&input, out_dtype, id()),
+            input,
+        }
     };
-    record_out(&client, name, [input], ir, |ir| &ir.out, repr, run)
+    record_out(&client, name, [input], ir, repr, run)
 }
 
 /// An operation of two tensor operands (broadcast) whose IR is a [`BinaryOpIr`]; `out_dtype`
@@ -183,11 +275,15 @@ pub(crate) fn binary<B: BackendIr>(
     run: fn(&BinaryOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
     let client = client_of(&lhs);
-    let ir = |i: &[TensorIr], id: &mut dyn FnMut() -> TensorId| match out_dtype {
-        Some(dtype) => BinaryOpIr::create_comparison(i[0].clone(), i[1].clone(), dtype, id),
-        None => BinaryOpIr::create(i[0].clone(), i[1].clone(), id),
+    let ir = |mut i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+        debug_assert_eq!(i.len(), 2);
+        let (rhs, lhs) = (i.pop().expect("two operands"), i.pop().expect("two operands"));
+        match out_dtype {
+            Some(dtype) => BinaryOpIr::create_comparison(lhs, rhs, dtype, id),
+            None => BinaryOpIr::create(lhs, rhs, id),
+        }
     };
-    record_out(&client, name, [lhs, rhs], ir, |ir| &ir.out, repr, run)
+    record_out(&client, name, [lhs, rhs], ir, repr, run)
 }
 
 /// An operation of a tensor and a scalar whose IR is a [`ScalarOpIr`]; `out_dtype` for
@@ -201,9 +297,43 @@ pub(crate) fn scalar<B: BackendIr>(
     run: fn(&ScalarOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
     let client = client_of(&lhs);
-    let ir = |i: &[TensorIr], id: &mut dyn FnMut() -> TensorId| match out_dtype {
-        Some(dtype) => ScalarOpIr::create_comparison(i[0].clone(), rhs, dtype, id),
-        None => ScalarOpIr::create(i[0].clone(), rhs, id),
+    let ir = |i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+        let lhs = only(i);
+        ScalarOpIr {
+            out: same_shape(&lhs, out_dtype, id()),
+            lhs,
+            rhs,
+        }
     };
-    record_out(&client, name, [lhs], ir, |ir| &ir.out, repr, run)
+    record_out(&client, name, [lhs], ir, repr, run)
+}
+
+/// burn's `HandleContainer::get_{float,int,bool}_tensor`, with the tensor's shape copied the
+/// cheap way (see [`crate::small::copy_shape`]): the run functions of every operation take their
+/// operands through these.
+pub(crate) trait Take<H> {
+    fn take_float<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive;
+    fn take_int<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive;
+    fn take_bool<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive;
+}
+
+impl<H: Clone> Take<H> for HandleContainer<H> {
+    fn take_float<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive {
+        B::float_tensor(tensor_handle(self, ir))
+    }
+
+    fn take_int<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive {
+        B::int_tensor(tensor_handle(self, ir))
+    }
+
+    fn take_bool<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive {
+        B::bool_tensor(tensor_handle(self, ir))
+    }
+}
+
+fn tensor_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> TensorHandle<H> {
+    TensorHandle {
+        handle: handles.get_handle(&ir.id, &ir.status),
+        shape: crate::small::copy_shape(&ir.shape),
+    }
 }

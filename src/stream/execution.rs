@@ -41,7 +41,6 @@ impl<R: StreamRuntime> StreamState<R> {
                 for op in ops.drain(..) {
                     match op {
                         QueuedOp::Drop(id) => self.free(id),
-                        QueuedOp::Builtin(op) => self.execute_one(&op),
                         QueuedOp::Op(op) => {
                             self.execute_one(&*op);
                             self.dispose(op);
@@ -173,7 +172,9 @@ impl<R: StreamRuntime> StreamState<R> {
         for input in op.inputs() {
             if input.status == TensorStatus::ReadWrite {
                 self.handles.remove_handle(input.id);
-                self.errors.remove(&input.id);
+                if !self.errors.is_empty() {
+                    self.errors.remove(&input.id);
+                }
             }
         }
     }

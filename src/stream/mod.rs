@@ -457,9 +457,6 @@ impl<R: StreamRuntime> MultiStream<R> {
                 .iter()
                 .map(|op| match op {
                     QueuedOp::Drop(id) => Pending::Drop(*id),
-                    QueuedOp::Builtin(op) => {
-                        Pending::Operation(Box::new(<_ as OpBody<R>>::repr(op)))
-                    }
                     QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr())),
                 })
                 .collect()
