@@ -646,7 +646,7 @@ fn validate_repr(
     }
     if want_in != got_in || want_out != got_out {
         return Err(Error::InvalidOperation {
-            op: name.to_owned(),
+            op: name.into(),
             detail: format!(
                 "IR names inputs {got_in:?} and outputs {got_out:?}, registered {want_in:?} and {want_out:?}"
             ),

@@ -86,7 +86,7 @@ pub enum Error {
     #[error("shape mismatch in `{op}`: {detail}")]
     ShapeMismatch {
         /// Name of the operation.
-        op: &'static str,
+        op: Arc<str>,
         /// Which shapes, and why they do not fit.
         detail: String,
     },
@@ -94,7 +94,7 @@ pub enum Error {
     #[error("dtype mismatch in `{op}`: expected {expected:?}, found {found:?}")]
     DTypeMismatch {
         /// Name of the operation.
-        op: &'static str,
+        op: Arc<str>,
         /// The data type required.
         expected: DType,
         /// The data type given.
@@ -104,7 +104,7 @@ pub enum Error {
     #[error("dtype {dtype:?} is not supported by `{op}` on this runtime")]
     UnsupportedDType {
         /// Name of the operation.
-        op: &'static str,
+        op: Arc<str>,
         /// The unsupported data type.
         dtype: DType,
     },
@@ -123,7 +123,7 @@ pub enum Error {
     #[error("invalid operation `{op}`: {detail}")]
     InvalidOperation {
         /// Name of the operation.
-        op: String,
+        op: Arc<str>,
         /// What is inconsistent.
         detail: String,
     },

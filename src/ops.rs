@@ -145,7 +145,7 @@ fn infer_output<R: StreamRuntime>(
     let op = kernel.name();
     if operands.len() != arity(kernel) {
         return Err(Error::InvalidOperation {
-            op: op.to_owned(),
+            op: op.into(),
             detail: format!(
                 "{} operand(s) given, {} expected",
                 operands.len(),
@@ -161,20 +161,23 @@ fn infer_output<R: StreamRuntime>(
         .find(|t| t.dtype() != dtype)
     {
         return Err(Error::DTypeMismatch {
-            op,
+            op: op.into(),
             expected: dtype,
             found: other.dtype(),
         });
     }
     if !R::supports(kernel, dtype) {
-        return Err(Error::UnsupportedDType { op, dtype });
+        return Err(Error::UnsupportedDType {
+            op: op.into(),
+            dtype,
+        });
     }
     let shape = match kernel {
         Kernel::Add | Kernel::Mul => {
             let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
             if lhs != rhs {
                 return Err(Error::ShapeMismatch {
-                    op,
+                    op: op.into(),
                     detail: format!("{:?} and {:?} differ", &lhs[..], &rhs[..]),
                 });
             }
@@ -184,7 +187,7 @@ fn infer_output<R: StreamRuntime>(
             let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
             if lhs.num_dims() != 2 || rhs.num_dims() != 2 || lhs[1] != rhs[0] {
                 return Err(Error::ShapeMismatch {
-                    op,
+                    op: op.into(),
                     detail: format!(
                         "cannot multiply {:?} by {:?} (need [m, k] @ [k, n])",
                         &lhs[..],
@@ -216,7 +219,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let operands: Operands<'a, R> = crate::small::collect(operands);
         let checked = if matches!(kernel, Kernel::Fill(_)) {
             Err(Error::InvalidOperation {
-                op: "fill".to_owned(),
+                op: "fill".into(),
                 detail: "use FusionClient::fill, which takes the shape".to_owned(),
             })
         } else {
@@ -266,7 +269,10 @@ impl<R: StreamRuntime> FusionClient<R> {
     ) -> Result<FusionTensor<R>> {
         let kernel = Kernel::Fill(value);
         if !R::supports(&kernel, dtype) {
-            return Err(Error::UnsupportedDType { op: "fill", dtype });
+            return Err(Error::UnsupportedDType {
+                op: "fill".into(),
+                dtype,
+            });
         }
         self.register_kernel(kernel, SmallVec::new(), shape.into(), dtype)
             .map_err(Rejected::into_error)

@@ -246,6 +246,28 @@ mod transfer {
         assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
     }
 
+    /// A pinned allocation the host cannot back is a typed out-of-memory error from the driver
+    /// call, not a kernel failure; and the runtime keeps working after it.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn cuda_pinned_allocation_failure_is_out_of_memory() {
+        let c = client();
+        let huge = 1usize << 46; // 64 TiB of page-locked memory: no host has it
+        let error = CudaRuntime::alloc_pinned(c.context(), huge).unwrap_err();
+        println!("alloc_pinned(64 TiB) returned: {error}");
+        // Out of memory when the driver says so; any other refusal is a runtime error naming
+        // the call. Never a kernel failure.
+        assert!(
+            match &error {
+                fusion_streams::Error::OutOfMemory { bytes, .. } => *bytes >= huge,
+                fusion_streams::Error::Runtime(message) => message.contains("cuMemHostAlloc"),
+                _ => false,
+            },
+            "{error:?}"
+        );
+        assert_eq!(pinned(c.context(), 16).len(), 16);
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn cuda_frontier_is_not_ready_right_after_a_large_producer() {

@@ -277,7 +277,10 @@ pub(crate) fn binary<B: BackendIr>(
     let client = client_of(&lhs);
     let ir = |mut i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
         debug_assert_eq!(i.len(), 2);
-        let (rhs, lhs) = (i.pop().expect("two operands"), i.pop().expect("two operands"));
+        let (rhs, lhs) = (
+            i.pop().expect("two operands"),
+            i.pop().expect("two operands"),
+        );
         match out_dtype {
             Some(dtype) => BinaryOpIr::create_comparison(lhs, rhs, dtype, id),
             None => BinaryOpIr::create(lhs, rhs, id),

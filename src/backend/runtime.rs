@@ -256,7 +256,7 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
             #[cfg(feature = "testing")]
             (Kernel::FailOnDevice, _) => {
                 return Err(Error::UnsupportedDType {
-                    op: kernel.name(),
+                    op: kernel.name().into(),
                     dtype: out.dtype,
                 });
             }

@@ -155,7 +155,7 @@ impl<R: TransferRuntime> HeldSession<R> {
         }
         if !R::publishable(value.dtype()) {
             let reason = Error::UnsupportedDType {
-                op: "publish",
+                op: "publish".into(),
                 dtype: value.dtype(),
             };
             return reject(value, reason);

@@ -26,7 +26,12 @@
 //! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
 //!   [`crate::Error::KernelFailed`] from the read. `FusionClient::fail_on_device` launches a kernel
 //!   NVRTC refuses to compile, a failure on cubecl's server after dispatch; it leaves that server
-//!   unhealthy for the process, so use it in a process of its own.
+//!   unhealthy for the process, so use it in a process of its own. A driver call that only sets
+//!   something up (`cuInit`, a context, a stream, an event, `cuMemHostAlloc`) is not a kernel:
+//!   its failure is [`crate::Error::Runtime`] naming the call, or [`crate::Error::OutOfMemory`]
+//!   when the driver ran out of memory. Calls that wait on device work (event queries, stream
+//!   synchronisation, fences) or enqueue behind it report an earlier kernel's fault, and keep
+//!   [`crate::Error::KernelFailed`].
 
 mod kernels;
 mod transfer;
@@ -268,7 +273,7 @@ impl StreamRuntime for CudaRuntime {
     fn upload(ctx: &CudaContext, data: &TensorData) -> Result<CudaHandle> {
         if !matches!(data.dtype, DType::F32 | DType::I32) {
             return Err(Error::UnsupportedDType {
-                op: "from_data",
+                op: "from_data".into(),
                 dtype: data.dtype,
             });
         }
@@ -348,7 +353,7 @@ impl StreamRuntime for CudaRuntime {
             .find(|len| u32::try_from(*len).is_err())
         {
             return Err(Error::ShapeMismatch {
-                op: kernel.name(),
+                op: kernel.name().into(),
                 detail: format!("{big} elements: the CUDA kernels index at most 2^32 - 1"),
             });
         }
@@ -371,7 +376,7 @@ impl StreamRuntime for CudaRuntime {
                     }
                     other => {
                         return Err(Error::UnsupportedDType {
-                            op: kernel.name(),
+                            op: kernel.name().into(),
                             dtype: other,
                         });
                     }

@@ -51,9 +51,18 @@ use super::{CudaContext, CudaHandle, CudaRuntime};
 use crate::transfer::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
 use crate::{Error, Result};
 
-fn driver(what: &str, error: impl fmt::Debug) -> Error {
+/// A driver call that sets something up (a context, a stream, an event, memory) failed: a
+/// [`Error::Runtime`] naming the call. No kernel was involved.
+fn setup(call: &str, error: impl fmt::Debug) -> Error {
+    Error::Runtime(format!("{call} failed: {error:?}").into())
+}
+
+/// A driver call that waits on, or enqueues behind, device work failed. CUDA reports an earlier
+/// kernel's fault (a sticky context error) at the next such call, so it is the device failing:
+/// [`Error::KernelFailed`], under the call's name.
+fn device_fault(call: &str, error: impl fmt::Debug) -> Error {
     Error::KernelFailed {
-        kernel: what.into(),
+        kernel: call.into(),
         message: format!("{error:?}").into(),
     }
 }
@@ -78,11 +87,11 @@ std::thread_local! {
 
 impl PrimaryContext {
     fn retain(ordinal: usize) -> Result<Arc<Self>> {
-        result::init().map_err(|e| driver("cuInit", e))?;
-        let device = result::device::get(ordinal as i32).map_err(|e| driver("cuDeviceGet", e))?;
+        result::init().map_err(|e| setup("cuInit", e))?;
+        let device = result::device::get(ordinal as i32).map_err(|e| setup("cuDeviceGet", e))?;
         // SAFETY: `device` is a valid device handle just returned by the driver.
         let context = unsafe { result::primary_ctx::retain(device) }
-            .map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+            .map_err(|e| setup("cuDevicePrimaryCtxRetain", e))?;
         Ok(Arc::new(Self { context, device }))
     }
 
@@ -94,7 +103,7 @@ impl PrimaryContext {
         }
         // SAFETY: `context` is retained for as long as `self` lives.
         unsafe { result::ctx::set_current(self.context) }
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+            .map_err(|e| setup("cuCtxSetCurrent", e))?;
         CURRENT.with(|c| c.set(key));
         Ok(())
     }
@@ -128,7 +137,13 @@ impl CudaPinned {
         // SAFETY: `ptr` is a valid out-pointer; the primary context is current.
         unsafe { sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .result()
-            .map_err(|e| driver("cuMemHostAlloc", e))?;
+            .map_err(|e| match e.0 {
+                sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                    what: "pinned host memory".into(),
+                    bytes: len,
+                },
+                _ => setup("cuMemHostAlloc", e),
+            })?;
         Ok(Self {
             ptr: ptr.cast(),
             len,
@@ -243,7 +258,7 @@ impl CudaEvent {
         let outcome = match unsafe { sys::cuEventQuery(event) } {
             sys::CUresult::CUDA_SUCCESS => Ok(()),
             sys::CUresult::CUDA_ERROR_NOT_READY => return None,
-            error => Err(driver("cuEventQuery", error)),
+            error => Err(device_fault("cuEventQuery", error)),
         };
         Self::finish(&self.0, &mut state, outcome.clone());
         Some(outcome)
@@ -261,7 +276,7 @@ impl CudaEvent {
                     let outcome = self.0.primary.make_current().and_then(|()| {
                         // SAFETY: `event` is alive while the lock is held.
                         unsafe { result::event::synchronize(event) }
-                            .map_err(|e| driver("cuEventSynchronize", e))
+                            .map_err(|e| device_fault("cuEventSynchronize", e))
                     });
                     Self::finish(&self.0, &mut state, outcome.clone());
                     return outcome;
@@ -376,7 +391,7 @@ impl DirectStream {
     fn new(primary: &Arc<PrimaryContext>) -> Result<Self> {
         primary.make_current()?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver("cuStreamCreate", e))?;
+            .map_err(|e| setup("cuStreamCreate", e))?;
         Ok(Self {
             stream,
             primary: primary.clone(),
@@ -387,7 +402,7 @@ impl DirectStream {
         self.primary.make_current()?;
         // SAFETY: the stream lives as long as `self`.
         unsafe { result::stream::synchronize(self.stream) }
-            .map_err(|e| driver("cuStreamSynchronize", e))
+            .map_err(|e| device_fault("cuStreamSynchronize", e))
     }
 }
 
@@ -443,7 +458,7 @@ impl CudaTransfer {
 fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job>) {
     let stream = primary.make_current().and_then(|()| {
         result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver("cuStreamCreate", e))
+            .map_err(|e| setup("cuStreamCreate", e))
     });
     for job in queue {
         match job {
@@ -451,7 +466,7 @@ fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job
                 let outcome = match &stream {
                     // SAFETY: the stream belongs to this thread.
                     Ok(s) => unsafe { result::stream::synchronize(*s) }
-                        .map_err(|e| driver("cuStreamSynchronize", e)),
+                        .map_err(|e| device_fault("cuStreamSynchronize", e)),
                     Err(e) => Err(e.clone()),
                 };
                 event.set(State::Done(outcome));
@@ -471,8 +486,8 @@ fn run_waiter(primary: Arc<PrimaryContext>, queue: std::sync::mpsc::Receiver<Job
                         // Every fence is polled to completion (an unpolled one leaks its event).
                         let mut outcome = Ok(());
                         for fence in fences {
-                            let waited =
-                                cubecl::future::block_on(fence).map_err(|e| driver("fence", e));
+                            let waited = cubecl::future::block_on(fence)
+                                .map_err(|e| device_fault("fence", e));
                             outcome = outcome.and(waited);
                         }
                         outcome.and_then(|()| {
@@ -539,14 +554,14 @@ fn enqueue_copy(
     // of the primary context, and the driver accepts enqueues on it from any thread.
     unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, bytes, *copy_stream) }
         .result()
-        .map_err(|e| driver("cuMemcpyDtoHAsync", e))?;
+        .map_err(|e| device_fault("cuMemcpyDtoHAsync", e))?;
     let cuda_event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-        .map_err(|e| driver("cuEventCreate", e))?;
+        .map_err(|e| setup("cuEventCreate", e))?;
     // SAFETY: both handles are live in the current (primary) context.
     if let Err(e) = unsafe { result::event::record(cuda_event, *copy_stream) } {
         // SAFETY: created just above, never shared.
         let _ = unsafe { result::event::destroy(cuda_event) };
-        return Err(driver("cuEventRecord", e));
+        return Err(device_fault("cuEventRecord", e));
     }
     Ok((cuda_event, resource))
 }
@@ -628,7 +643,7 @@ impl TransferRuntime for CudaRuntime {
                         Arc::new(Mutex::new(resource)) as Arc<dyn Any + Send + Sync>,
                     )
                 })
-                .map_err(|e| driver("get_resource", e));
+                .map_err(|e| setup("get_resource", e));
             let mut fences = vec![server.sync(stream)];
             if created_on != stream {
                 fences.push(server.sync(created_on));

@@ -301,7 +301,7 @@ fn to_host_data(data: &TensorData) -> Result<HostData> {
         DType::F32 => Ok(HostData::F32(data.to_vec::<f32>().map_err(bad)?)),
         DType::I32 => Ok(HostData::I32(data.to_vec::<i32>().map_err(bad)?)),
         dtype => Err(Error::UnsupportedDType {
-            op: "from_data",
+            op: "from_data".into(),
             dtype,
         }),
     }
