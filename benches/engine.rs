@@ -2,7 +2,7 @@
 //! whose `MultiStream` has shared views), each driven through its public client with an equivalent
 //! mock runtime (an `Arc<()>` handle) and the same no-op `Exp` operation, registered the way burn's
 //! `float_exp` registers it. burn's mock has one never-ready fuser, so its ops queue lazily and run
-//! unfused at the sync (DESIGN.md's anchor setup).
+//! unfused at the sync: the lazy, unfused setup this crate's engine is measured in.
 //!
 //! `cargo bench --bench engine` — three groups, then one `ratio <name>: <ours/theirs>` line per
 //! comparison (higher is better for us; for latencies the ratio is theirs/ours):

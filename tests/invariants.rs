@@ -1,5 +1,5 @@
-//! One test per invariant of the engine (DESIGN.md, "Invariants"). Each would fail if the
-//! invariant were broken.
+//! One test per invariant of the engine (`MultiStream`'s rustdoc lists them). Each would fail
+//! if the invariant were broken.
 
 mod common;
 

@@ -19,8 +19,8 @@
 //!   stream to share one of its tensors, and cubecl selects its CUDA stream from
 //!   [`burn_backend::StreamId::current`].
 //! * **Cross-stream ordering.** cubecl 0.10 orders a kernel that reads a buffer after that
-//!   buffer's last write on another stream (measured on an H200 by `reference/cuda-probe`, and
-//!   tested by this crate's GPU tests with a long producer).
+//!   buffer's last write on another stream (measured on an H200 with a standalone cudarc probe,
+//!   and tested by this crate's GPU tests with a long producer).
 //! * **Kernels** are the built-in op set in CubeCL, with the host runtime's
 //!   summation order so that results agree bit for bit where the inputs are exact.
 //! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
