@@ -35,43 +35,29 @@ pub(crate) trait OpIr: Send + Sync + 'static {
     fn outputs(&self) -> &[TensorIr];
 }
 
-impl OpIr for UnaryOpIr {
-    type Ir = Self;
-    fn ir(&self) -> &Self {
-        self
-    }
-    fn inputs(&self) -> Irs<'_> {
-        Irs::one(&self.input)
-    }
-    fn outputs(&self) -> &[TensorIr] {
-        std::slice::from_ref(&self.out)
-    }
+/// [`OpIr`] for IR structs with one `out` field, naming where their operands are.
+macro_rules! single_output_irs {
+    ($($ir:ident: |$s:ident| $inputs:expr;)*) => {$(
+        impl OpIr for $ir {
+            type Ir = Self;
+            fn ir(&self) -> &Self {
+                self
+            }
+            fn inputs(&self) -> Irs<'_> {
+                let $s = self;
+                $inputs
+            }
+            fn outputs(&self) -> &[TensorIr] {
+                std::slice::from_ref(&self.out)
+            }
+        }
+    )*};
 }
 
-impl OpIr for ScalarOpIr {
-    type Ir = Self;
-    fn ir(&self) -> &Self {
-        self
-    }
-    fn inputs(&self) -> Irs<'_> {
-        Irs::one(&self.lhs)
-    }
-    fn outputs(&self) -> &[TensorIr] {
-        std::slice::from_ref(&self.out)
-    }
-}
-
-impl OpIr for BinaryOpIr {
-    type Ir = Self;
-    fn ir(&self) -> &Self {
-        self
-    }
-    fn inputs(&self) -> Irs<'_> {
-        Irs::pair(&self.lhs, &self.rhs)
-    }
-    fn outputs(&self) -> &[TensorIr] {
-        std::slice::from_ref(&self.out)
-    }
+single_output_irs! {
+    UnaryOpIr: |ir| Irs::one(&ir.input);
+    ScalarOpIr: |ir| Irs::one(&ir.lhs);
+    BinaryOpIr: |ir| Irs::pair(&ir.lhs, &ir.rhs);
 }
 
 /// An IR struct with its operand and output lists kept beside it (the outputs read off its
