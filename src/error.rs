@@ -42,6 +42,17 @@ pub enum Error {
         /// The panic payload, when it was a string.
         message: Arc<str>,
     },
+    /// An operation was skipped because one of its inputs carried an error, so it wrote none of
+    /// its outputs. `root` is that error as the failing operation recorded it; `skipped` is the
+    /// first operation skipped because of it. Every tensor computed, directly or not, from a failed
+    /// one reads as this; [`Error::root`] gives the original failure.
+    #[error("{root} (propagated: `{skipped}` was skipped because its input carried this error)")]
+    Propagated {
+        /// The first operation skipped because of the failure.
+        skipped: Arc<str>,
+        /// The original failure (never itself `Propagated`).
+        root: Arc<Error>,
+    },
     /// The device failed while running a kernel (reported asynchronously, after dispatch).
     #[error("kernel `{kernel}` failed on the device: {message}")]
     KernelFailed {
@@ -193,6 +204,60 @@ impl Error {
 }
 
 impl Error {
+    /// The failure this error comes from: for [`Error::Propagated`], the error of the operation
+    /// that failed first; otherwise the error itself.
+    ///
+    /// ```
+    /// use fusion_streams::{Error, FusionClient, host::HostRuntime};
+    /// use burn_backend::TensorData;
+    ///
+    /// let client = FusionClient::<HostRuntime>::new(Default::default())?;
+    /// let x = client.from_data(TensorData::new(vec![1.0f32, 2.0], [2]))?;
+    /// let failed = client
+    ///     .op("refuse")
+    ///     .read(&x)
+    ///     .output([2], burn_backend::DType::F32)
+    ///     .execute(|_: &burn_ir::CustomOpIr, _: &mut burn_ir::HandleContainer<_>| {
+    ///         Err(Error::operation("refuse", "bad input"))
+    ///     })
+    ///     .map_err(|rejected| rejected.error)?
+    ///     .remove(0);
+    /// let downstream = failed.exp()?;
+    /// let error = downstream.read().unwrap_err();
+    /// assert!(error.is_propagated());
+    /// assert_eq!(error.root(), &Error::operation("refuse", "bad input"));
+    /// assert_eq!(
+    ///     error.to_string(),
+    ///     "operation `refuse` failed: bad input \
+    ///      (propagated: `exp` was skipped because its input carried this error)"
+    /// );
+    /// # Ok::<(), fusion_streams::Error>(())
+    /// ```
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Propagated { root, .. } => root,
+            error => error,
+        }
+    }
+
+    /// Whether this error reached its tensor through a skipped operation (see
+    /// [`Error::Propagated`]) rather than from the operation that produces it.
+    pub fn is_propagated(&self) -> bool {
+        matches!(self, Error::Propagated { .. })
+    }
+
+    /// The error recorded on the outputs of `skipped`, an operation that reads a tensor failed
+    /// with `self`: the root failure, with the first operation skipped on its way.
+    pub(crate) fn propagated_to(&self, skipped: &str) -> Error {
+        match self {
+            Error::Propagated { .. } => self.clone(),
+            root => Error::Propagated {
+                skipped: skipped.into(),
+                root: Arc::new(root.clone()),
+            },
+        }
+    }
+
     /// A panic inside a kernel or a device call: the device failed, not an operation's executor.
     pub(crate) fn from_kernel_panic(kernel: &str, payload: Box<dyn std::any::Any + Send>) -> Self {
         match Error::from_panic(kernel, payload) {

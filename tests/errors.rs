@@ -26,13 +26,20 @@ fn executor_panic_is_contained_and_reported_on_the_read() {
         .unwrap()
         .remove(0);
     let downstream = out.exp().unwrap();
-    match downstream.read().unwrap_err() {
+    let error = downstream.read().unwrap_err();
+    assert!(error.is_propagated(), "{error:?}");
+    match error.root() {
         Error::OperationPanicked { op, message } => {
-            assert_eq!(&*op, "panicky");
-            assert_eq!(&*message, "bad kernel config");
+            assert_eq!(&**op, "panicky");
+            assert_eq!(&**message, "bad kernel config");
         }
         other => panic!("unexpected {other:?}"),
     }
+    assert_eq!(
+        error.to_string(),
+        "operation `panicky` panicked: bad kernel config \
+         (propagated: `exp` was skipped because its input carried this error)"
+    );
     assert_eq!(
         values(&x.scale(2.0).unwrap()),
         vec![2.0],

@@ -256,8 +256,12 @@ fn errors_travel_with_the_data_to_the_read() {
     c.drain(); // reports nothing
     let err = downstream.read().unwrap_err();
     assert!(
-        matches!(&err, Error::OperationFailed { op, .. } if &**op == "boom"),
+        matches!(err.root(), Error::OperationFailed { op, .. } if &**op == "boom"),
         "{err:?}"
+    );
+    assert!(
+        matches!(&err, Error::Propagated { skipped, .. } if &**skipped == "scale"),
+        "{err:?}: the first skipped operation is named"
     );
     assert_eq!(values(&healthy), vec![5.0]);
     let s = c.stats();
@@ -266,7 +270,11 @@ fn errors_travel_with_the_data_to_the_read() {
     let peer = Peer::spawn();
     let b2 = bad.clone();
     let shared_err = peer.run(move || b2.clone().read().unwrap_err());
-    assert_eq!(shared_err, err);
+    assert_eq!(
+        &shared_err,
+        err.root(),
+        "a share carries the failure itself"
+    );
 }
 
 /// Never wait on the device under the engine lock: while a read waits for a paused stream, other

@@ -135,7 +135,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 continue;
             }
             return Some(match self.errors.get(&input.id) {
-                Some(error) => error.clone(),
+                Some(error) => error.propagated_to(op.name()),
                 None => Error::MissingHandle {
                     op: op.name().into(),
                     id: input.id,

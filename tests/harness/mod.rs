@@ -293,15 +293,33 @@ impl Failure {
     }
 }
 
+/// The inputs' values, or the failure the operation reading them ends with. An engine failure
+/// upstream skips the operation, which records it as propagated (`Error::Propagated`, naming
+/// the first skipped operation: the model leaves that name out, see [`same_error`]).
 fn combine(inputs: &[&Model]) -> Result<Vec<Vec<f32>>, Failure> {
-    if let Some(Err(f)) = inputs
+    if let Some(Err(Failure::Engine(e))) = inputs
         .iter()
         .map(|m| &m.value)
         .find(|v| matches!(v, Err(Failure::Engine(_))))
     {
-        return Err(f.clone());
+        return Err(Failure::Engine(propagated(e)));
     }
     inputs.iter().map(|m| m.value.clone()).collect()
+}
+
+fn propagated(error: &Error) -> Error {
+    match error {
+        Error::Propagated { .. } => error.clone(),
+        root => Error::Propagated {
+            skipped: "(any)".into(),
+            root: std::sync::Arc::new(root.clone()),
+        },
+    }
+}
+
+/// The same failure: the same root, reached the same way (propagated or not).
+fn same_error(want: &Error, got: &Error) -> bool {
+    want.root() == got.root() && want.is_propagated() == got.is_propagated()
 }
 
 fn apply_unary(op: Unary, v: &[f32]) -> Vec<f32> {
@@ -322,7 +340,7 @@ fn same(a: &[f32], b: &[f32]) -> bool {
 fn agrees(model: &Model, got: &Result<Vec<f32>, Error>) -> bool {
     match (&model.value, got) {
         (Ok(want), Ok(got)) => same(want, got),
-        (Err(want), Err(got)) => want.error() == got,
+        (Err(want), Err(got)) => same_error(want.error(), got),
         _ => false,
     }
 }
@@ -807,7 +825,7 @@ impl Reference {
                 match (&s.value, observed) {
                     // A failure known at the dispatch boundary: refused, the value handed back.
                     (Err(Failure::Engine(want)), Observed::PublishRejected(got))
-                        if *want == got => {}
+                        if same_error(want, &got) => {}
                     // Admitted (a device failure surfaces at the frontier, later).
                     (Ok(_) | Err(Failure::Device(_)), Observed::Registered(Ok(()))) => {
                         self.failed_publications += usize::from(s.value.is_err());

@@ -218,8 +218,12 @@ pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
     let d2 = downstream.clone();
     let err = peer.run(move || d2.clone().exp().unwrap().read().unwrap_err());
     assert!(
-        matches!(&err, Error::OperationFailed { op, .. } if &**op == "boom"),
+        matches!(err.root(), Error::OperationFailed { op, .. } if &**op == "boom"),
         "{err:?}"
+    );
+    assert!(
+        matches!(&err, Error::Propagated { skipped, .. } if &**skipped == "scale"),
+        "{err:?}: propagated from the first skipped operation, on the home thread"
     );
     assert_eq!(
         values(&x.scale(4.0).unwrap()),
