@@ -430,9 +430,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                     Some(owned) if ir.status == TensorStatus::ReadWrite => {
                         // The operation owns the id now: this struct must not free it.
                         owned.armed = false;
-                        if !state.shared_sources.is_empty() {
-                            state.shared_sources.remove(&owned.value.id);
-                        }
+                        state.forget_shared_source(owned.value.id);
                         consumed.push(tensor);
                     }
                     _ => read_only_owned.push(tensor),

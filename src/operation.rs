@@ -144,11 +144,6 @@ impl<'a> Irs<'a> {
             last: Some(second),
         }
     }
-
-    /// The operands, in order.
-    pub(crate) fn iter(self) -> impl Iterator<Item = &'a TensorIr> + Clone {
-        self.head.iter().chain(self.last)
-    }
 }
 
 impl<'a> IntoIterator for Irs<'a> {

@@ -172,9 +172,7 @@ impl<R: StreamRuntime> StreamState<R> {
         for input in op.inputs() {
             if input.status == TensorStatus::ReadWrite {
                 self.handles.remove_handle(input.id);
-                if !self.errors.is_empty() {
-                    self.errors.remove(&input.id);
-                }
+                self.remove_error(input.id);
             }
         }
     }

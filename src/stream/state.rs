@@ -222,11 +222,24 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
+    /// Remove `id`'s error record; whether it had one. Most streams hold none, and a miss on an
+    /// empty map still hashes and probes, so an empty map is not touched (as in
+    /// [`Self::forget_shared_source`]).
+    pub(crate) fn remove_error(&mut self, id: TensorId) -> bool {
+        !self.errors.is_empty() && self.errors.remove(&id).is_some()
+    }
+
+    /// `id` can no longer be shared again through its source entry: drop the entry.
+    pub(crate) fn forget_shared_source(&mut self, id: TensorId) {
+        if !self.shared_sources.is_empty() {
+            self.shared_sources.remove(&id);
+        }
+    }
+
     /// Release `id`'s handle or error record now.
     pub(crate) fn free(&mut self, id: TensorId) {
         let had_handle = self.handles.remove_handle(id).is_some();
-        // Guarded: most streams hold no error records, and a miss still hashes and probes.
-        let had_error = !self.errors.is_empty() && self.errors.remove(&id).is_some();
+        let had_error = self.remove_error(id);
         if had_handle || had_error {
             self.counters.frees += 1;
         }
@@ -238,7 +251,7 @@ impl<R: StreamRuntime> StreamState<R> {
         self.counters.home_drops += 1;
         // The last live tensor is gone, so no share can name `id` again: the entry can go now,
         // without waiting for the free to run.
-        self.shared_sources.remove(&id);
+        self.forget_shared_source(id);
         self.enqueue(QueuedOp::Drop(id));
     }
 
@@ -268,7 +281,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// engine's service thread runs it (see `service`).
     pub(crate) fn foreign_drop(&mut self, id: TensorId) {
         self.counters.foreign_drops += 1;
-        self.shared_sources.remove(&id);
+        self.forget_shared_source(id);
         if !self.queue_references(id) {
             tracing::trace!(stream = %self.id, tensor = %id, "foreign drop: freed at once");
             self.free(id);
@@ -288,7 +301,10 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Whether a queued operation reads `id` or produces it.
     fn queue_references(&self, id: TensorId) -> bool {
         fn names<R: StreamRuntime, B: OpBody<R> + ?Sized>(op: &B, id: TensorId) -> bool {
-            op.inputs().iter().chain(op.outputs()).any(|t| t.id == id)
+            op.inputs()
+                .into_iter()
+                .chain(op.outputs())
+                .any(|t| t.id == id)
         }
         self.queue.iter().any(|op| match op {
             QueuedOp::Drop(_) => false,
