@@ -364,8 +364,8 @@ mod on_cuda {
         FloatOperationIr, HandleContainer, InitOperationIr, OperationIr, TensorIr, TensorStatus,
         UnaryOpIr,
     };
+    use fusion_streams::cuda::{CudaContext, CudaDevice, CudaHandle, CudaRuntime};
     use fusion_streams::host::Unfused;
-    use fusion_streams::runtime::cuda::{CudaContext, CudaDevice, CudaHandle, CudaRuntime};
     use fusion_streams::runtime::{Kernel, KernelInput, StreamRuntime};
     use fusion_streams::{FusionClient, Operand};
 
@@ -796,7 +796,7 @@ fn main() {
     run_all::<burn021::Burn>(&mut c, &peer);
     run_all::<burn023::Burn>(&mut c, &peer);
     #[cfg(feature = "cuda")]
-    if fusion_streams::runtime::cuda::CudaRuntime::is_available() {
+    if fusion_streams::cuda::CudaRuntime::is_available() {
         run_device::<on_cuda::Ours>(&mut c, &peer);
         run_device::<on_cuda::Burn>(&mut c, &peer);
     }

@@ -33,7 +33,7 @@ mod gpu {
     use cudarc::driver::{result, sys};
     use fusion_streams::FusionClient;
     use fusion_streams::cuda::{CudaDevice, CudaHeldSession, CudaRuntime, PinnedHostBuffer};
-    use fusion_streams::transfer::TransferRuntime;
+    use fusion_streams::runtime::TransferRuntime;
 
     type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
 

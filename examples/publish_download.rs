@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use burn_backend::{DType, TensorData};
 use fusion_streams::host::{HostDevice, HostRuntime};
-use fusion_streams::transfer::{HeldSession, TransferRuntime};
+use fusion_streams::runtime::TransferRuntime;
+use fusion_streams::transfer::HeldSession;
 use fusion_streams::{FusionClient, Result};
 
 const N: usize = 256;

@@ -48,7 +48,7 @@ fn matmul(a: &[f32], b: &[f32]) -> Vec<f32> {
 fn main() -> Result<()> {
     #[cfg(feature = "cuda")]
     {
-        use fusion_streams::runtime::cuda::{CudaDevice, CudaRuntime};
+        use fusion_streams::cuda::{CudaDevice, CudaRuntime};
         if CudaRuntime::is_available() {
             let client = FusionClient::<CudaRuntime>::new(CudaDevice::new(0))?;
             return run(client, |_| None);

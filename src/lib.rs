@@ -42,7 +42,7 @@
 //!
 //! ## Feature flags
 //!
-//! * `cuda` — `runtime::cuda::CudaRuntime`, the engine on an NVIDIA GPU over cubecl-cuda 0.10.
+//! * `cuda` — `cuda::CudaRuntime`, the engine on an NVIDIA GPU over cubecl-cuda 0.10.
 //!   Builds without a GPU or a CUDA toolkit (set `CUDARC_CUDA_VERSION=13000` to pin the driver
 //!   bindings); needs the NVIDIA driver at run time.
 
@@ -53,24 +53,21 @@ mod client;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+pub mod host;
 pub mod id;
 mod live;
 mod loom;
 mod operation;
-mod ops;
 pub mod runtime;
 mod size;
 mod small;
 mod stream;
-mod tensor;
 pub mod transfer;
 
-pub use client::{FusionClient, OpBuilder, Operand};
+pub use client::{FusionClient, FusionTensor, OpBuilder, Operand};
 pub use error::{Error, Rejected, Result};
 pub use operation::{BurnOperation, CustomExecutor, FallibleOperation};
-pub use runtime::host;
 pub use stream::{EngineConfig, EngineStats, MultiStream, Pending};
-pub use tensor::FusionTensor;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

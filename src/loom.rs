@@ -3,7 +3,7 @@
 //!
 //! The small concurrency-critical pieces — the inbox lock ([`crate::stream::inbox`]), the live
 //! count and last-owner release ([`crate::live`]) and the retirement queue
-//! ([`crate::transfer::RetirementQueue`]) — take their `Arc`, `Mutex`, atomics and fences from
+//! ([`crate::runtime::RetirementQueue`]) — take their `Arc`, `Mutex`, atomics and fences from
 //! here. A normal build gets `std` and `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets
 //! loom's instrumented versions, and the `loom_*` unit tests explore every interleaving of
 //! those pieces (bounded preemptions):

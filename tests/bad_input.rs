@@ -6,10 +6,8 @@ mod common;
 use burn_backend::{DType, TensorData};
 use common::*;
 use fusion_streams::host::{HostDevice, HostRuntime};
-use fusion_streams::runtime::Kernel;
-use fusion_streams::transfer::{
-    HeldSession, PinnedHostBuffer, PublicationAdmissionError, TransferRuntime,
-};
+use fusion_streams::runtime::{Kernel, TransferRuntime};
+use fusion_streams::transfer::{HeldSession, PinnedHostBuffer, PublicationAdmissionError};
 use fusion_streams::{EngineConfig, Error, FusionClient, Operand};
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use common::Peer;
 use fusion_streams::FusionClient;
-use fusion_streams::runtime::cuda::{CudaDevice, CudaRuntime};
+use fusion_streams::cuda::{CudaDevice, CudaRuntime};
 use suite::{matrix, settle, values};
 
 const GPU: &str = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine";
@@ -200,10 +200,11 @@ mod transfer {
     //! Source publication on the GPU: the evidence table of the source-publication record.
     use std::sync::{Arc, Weak};
 
-    use fusion_streams::runtime::cuda::{CudaContext, CudaRuntime};
+    use fusion_streams::cuda::{CudaContext, CudaRuntime};
+    use fusion_streams::runtime::TransferRuntime;
     use fusion_streams::transfer::{
         HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError,
-        SourcePublication, TransferRuntime,
+        SourcePublication,
     };
 
     use super::{client, ints, matmul_at};

@@ -12,7 +12,8 @@ use burn_backend::{DType, StreamId};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, UnaryOpIr};
 use common::*;
 use fusion_streams::host::{HostDevice, HostHandle, HostRuntime};
-use fusion_streams::transfer::{PinnedHostBuffer, TransferRuntime};
+use fusion_streams::runtime::TransferRuntime;
+use fusion_streams::transfer::PinnedHostBuffer;
 use fusion_streams::{EngineConfig, Error, FallibleOperation, FusionClient, Operand};
 
 type Handles = HandleContainer<HostHandle>;

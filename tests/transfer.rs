@@ -28,7 +28,7 @@ fn download(publication: Publication, len: usize) -> PendingDownload<HostRuntime
         .expect("enqueued")
 }
 
-fn retirement(context: &HostContext) -> fusion_streams::transfer::RetirementStats {
+fn retirement(context: &HostContext) -> fusion_streams::runtime::RetirementStats {
     context.retirement().stats()
 }
 

@@ -13,8 +13,17 @@ use burn_ir::TensorIr;
 use crate::Result;
 
 #[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod host;
+pub(crate) mod cuda;
+pub(crate) mod host;
+mod pinned;
+mod retirement;
+mod transfer;
+
+pub use pinned::PinnedHostBuffer;
+#[cfg(feature = "cuda")]
+pub(crate) use pinned::PinnedMemory;
+pub use retirement::{Retire, RetirementQueue, RetirementStats};
+pub use transfer::{Retired, TransferRuntime};
 
 /// A built-in kernel: the op set every runtime provides, enough for real programs and examples.
 ///

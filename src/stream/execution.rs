@@ -25,9 +25,10 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use burn_ir::{TensorIr, TensorStatus};
 
-use super::state::{QueuedOp, StreamState};
+use super::state::StreamState;
 use crate::Error;
 use crate::operation::OpBody;
+use crate::operation::QueuedOp;
 use crate::runtime::StreamRuntime;
 
 impl<R: StreamRuntime> StreamState<R> {
@@ -108,7 +109,7 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
     /// panic is recorded on the operation's outputs.
-    fn dispose(&mut self, op: super::state::PendingOp<R>) {
+    fn dispose(&mut self, op: crate::operation::PendingOp<R>) {
         if !op.drop_runs_user_code() {
             return;
         }
@@ -182,9 +183,9 @@ impl<R: StreamRuntime> StreamState<R> {
 mod tests {
     //! Property: in debug builds, an operation whose output id already holds a handle is refused
     //! (recorded as an SSA violation) instead of overwriting the handle.
-    use super::super::state::PendingOp;
     use super::*;
     use crate::host::{HostHandle, HostRuntime};
+    use crate::operation::PendingOp;
     use crate::operation::{FallibleOperation, WithRepr};
     use burn_backend::{StreamId, TensorData};
     use burn_ir::{HandleContainer, OperationIr, TensorId};

@@ -18,9 +18,9 @@ use parking_lot::{Mutex, RwLock};
 
 pub(crate) use cell::{InboxMessage, StreamCell, StreamGuard, in_engine};
 use service::EngineHook;
-pub(crate) use state::{Entry, IntoQueued, QueuedOp, StreamCounters, StreamState};
+pub(crate) use state::{Entry, StreamCounters, StreamState};
 
-use crate::operation::OpBody;
+use crate::operation::{IntoQueued, OpBody, QueuedOp};
 use crate::runtime::StreamRuntime;
 use crate::{Error, Result};
 

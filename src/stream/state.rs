@@ -5,11 +5,11 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use burn_backend::StreamId;
-use burn_ir::{HandleContainer, TensorId, TensorIr};
+use burn_ir::{HandleContainer, TensorId};
 use hashbrown::{HashMap, HashSet};
 
 use crate::Error;
-use crate::operation::OpBody;
+use crate::operation::{OpBody, QueuedOp};
 use crate::runtime::StreamRuntime;
 
 /// What the engine knows about a materialised tensor: a backend handle, or the error that
@@ -17,65 +17,6 @@ use crate::runtime::StreamRuntime;
 pub(crate) enum Entry<H> {
     Handle(H),
     Failed(Error),
-}
-
-/// An operation waiting in a stream's queue: one allocation holding its executor, name and
-/// operand IRs (which the engine's bookkeeping reads in place).
-pub(crate) type PendingOp<R> = Box<dyn OpBody<R>>;
-
-/// A queue entry: a drop, or an operation. Sixteen bytes, so that queueing and draining move a
-/// pointer: an operation body with its IR is a few hundred bytes, and moving it by value in and
-/// out of the queue cost more than the allocation that boxing it takes (measured with callgrind
-/// on a chain of backend operations).
-pub(crate) enum QueuedOp<R: StreamRuntime> {
-    Drop(TensorId),
-    Op(PendingOp<R>),
-}
-
-/// How an operation body becomes a queue entry.
-pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
-    fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Op(Box::new(self))
-    }
-}
-
-/// A body boxed where it is built: registration then moves a pointer, not the body, through
-/// validation and into the stream's critical section (a backend operation's body is several
-/// hundred bytes of IR).
-impl<R: StreamRuntime, B: OpBody<R> + 'static> IntoQueued<R> for Box<B> {
-    fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Op(self)
-    }
-}
-
-impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-
-    fn execute(
-        &self,
-        handles: &mut burn_ir::HandleContainer<R::FusionHandle>,
-        context: &R::Context,
-    ) -> crate::Result<()> {
-        (**self).execute(handles, context)
-    }
-
-    fn inputs(&self) -> crate::operation::Irs<'_> {
-        (**self).inputs()
-    }
-
-    fn outputs(&self) -> &[TensorIr] {
-        (**self).outputs()
-    }
-
-    fn repr(&self) -> burn_ir::OperationIr {
-        (**self).repr()
-    }
-
-    fn drop_runs_user_code(&self) -> bool {
-        (**self).drop_runs_user_code()
-    }
 }
 
 /// Per-stream counters. Plain integers: they are only touched under the stream's lock, so threads

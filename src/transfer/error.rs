@@ -2,8 +2,9 @@
 
 use std::fmt;
 
-use super::{PinnedHostBuffer, SourcePublication, TransferRuntime};
+use super::SourcePublication;
 use crate::runtime::StreamRuntime;
+use crate::runtime::{PinnedHostBuffer, TransferRuntime};
 use crate::{Error, FusionTensor};
 
 /// A value [`crate::transfer::HeldSession::publish`] refused before enqueueing anything.

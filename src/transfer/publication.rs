@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn_backend::{DType, Shape, StreamId};
 
 use super::error::{DownloadFailed, DownloadRejected, PublicationAdmissionError, PublicationError};
-use super::{PinnedHostBuffer, Retired, TransferRuntime};
+use crate::runtime::{PinnedHostBuffer, Retired, TransferRuntime};
 use crate::{Error, Result};
 
 /// What a publication retains: the runtime pin, a second owner of the value's allocation, and the
@@ -217,7 +217,7 @@ impl<R: TransferRuntime> SourcePublication<R> {
 impl<R: TransferRuntime> Drop for SourcePublication<R> {
     /// A publication whose frontier is still in flight detaches into the runtime's retirement
     /// queue; a failed one goes to its permanent side. Waits only when the queue's bounded side is
-    /// full, and then for the oldest record (see [`super::RetirementQueue`]).
+    /// full, and then for the oldest record (see [`crate::runtime::RetirementQueue`]).
     fn drop(&mut self) {
         let Some(mut record) = self.record.take() else {
             return;

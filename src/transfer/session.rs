@@ -5,9 +5,9 @@ use std::marker::PhantomData;
 
 use burn_backend::StreamId;
 
-use super::TransferRuntime;
 use super::error::{PublicationAdmissionError, PublicationRejected};
 use super::publication::SourcePublication;
+use crate::runtime::TransferRuntime;
 use crate::stream::{Entry, in_engine};
 use crate::{Error, FusionClient, FusionTensor, Result};
 

@@ -25,9 +25,9 @@ use std::time::Duration;
 use burn_backend::{DType, TensorData};
 use burn_ir::{CustomOpIr, HandleContainer};
 use fusion_streams::host::{HostHandle, HostRuntime};
-use fusion_streams::runtime::Kernel;
+use fusion_streams::runtime::{Kernel, TransferRuntime};
 use fusion_streams::transfer::{
-    HeldSession, PendingDownload, PublicationAdmissionError, SourcePublication, TransferRuntime,
+    HeldSession, PendingDownload, PublicationAdmissionError, SourcePublication,
 };
 use fusion_streams::{Error, Operand};
 

@@ -325,7 +325,7 @@ pub fn a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream
     c: &FusionClient<R>,
     n: usize,
 ) where
-    R: fusion_streams::transfer::TransferRuntime,
+    R: fusion_streams::runtime::TransferRuntime,
 {
     use fusion_streams::transfer::HeldSession;
     let x = c.fill([n], 1.0, DType::F32).unwrap();

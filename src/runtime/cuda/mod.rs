@@ -1,37 +1,4 @@
-//! [`CudaRuntime`]: the engine on an NVIDIA GPU, over cubecl-cuda 0.10 (feature `cuda`).
-//!
-//! * **Handles** are cubecl handles: reference-counted device allocations. `alias` is a handle
-//!   clone, and cubecl's `can_mut` is false while two exist.
-//! * **In place only on the allocating stream.** cubecl 0.10 orders another stream's access to a
-//!   buffer through the stream that *allocated* it (`Handle::stream`), not the stream that last
-//!   wrote it. A kernel may therefore write its handed-over input in place only when that input
-//!   was allocated on the current stream; a tensor moved to another thread gets a fresh output
-//!   buffer on its new stream instead. Without this rule a chain written in place on stream B into
-//!   a buffer allocated on A was invisible to a publication's frontier on a third stream, which
-//!   then downloaded it half done (reproduced on an H200: `tests/gpu.rs`, the `a_chain_on_*`
-//!   tests). With it, every buffer's writers are all on its allocating stream: what cubecl aligns
-//!   other streams with, and what a frontier covers.
-//! * **Reads** run on the buffer's allocating stream, ordered after its writers by stream order.
-//! * **Synchronisation** waits for every cubecl stream the context has dispatched to (recorded as
-//!   work is dispatched), not only the caller's.
-//! * **Streams.** Each engine stream runs on its own cubecl stream: the engine runs every
-//!   operation inside `StreamId::executes(stream)`, including when another thread drains the
-//!   stream to share one of its tensors, and cubecl selects its CUDA stream from
-//!   [`burn_backend::StreamId::current`].
-//! * **Cross-stream ordering.** cubecl 0.10 orders a kernel that reads a buffer after that
-//!   buffer's last write on another stream (measured on an H200 with a standalone cudarc probe,
-//!   and tested by this crate's GPU tests with a long producer).
-//! * **Kernels** are the built-in op set in CubeCL, with the host runtime's
-//!   summation order so that results agree bit for bit where the inputs are exact.
-//! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
-//!   [`crate::Error::KernelFailed`] from the read. `FusionClient::fail_on_device` launches a kernel
-//!   NVRTC refuses to compile, a failure on cubecl's server after dispatch; it leaves that server
-//!   unhealthy for the process, so use it in a process of its own. A driver call that only sets
-//!   something up (`cuInit`, a context, a stream, an event, `cuMemHostAlloc`) is not a kernel:
-//!   its failure is [`crate::Error::Runtime`] naming the call, or [`crate::Error::OutOfMemory`]
-//!   when the driver ran out of memory. Calls that wait on device work (event queries, stream
-//!   synchronisation, fences) or enqueue behind it report an earlier kernel's fault, and keep
-//!   [`crate::Error::KernelFailed`].
+//! The CUDA runtime; its public face, with the design notes, is [`crate::cuda`].
 
 mod kernels;
 mod transfer;
@@ -109,7 +76,7 @@ pub struct CudaContext {
     // Drop order: the transfer waiters finish their jobs and synchronise their copy streams
     // before the retirement queue releases its records and before the client goes.
     transfer: transfer::TransferSlot,
-    retirement: crate::transfer::RetirementQueue<crate::transfer::Retired<CudaRuntime>>,
+    retirement: crate::runtime::RetirementQueue<crate::runtime::Retired<CudaRuntime>>,
     client: CudaClient,
 }
 
@@ -183,7 +150,7 @@ impl fmt::Debug for CudaContext {
     }
 }
 
-/// The engine on an NVIDIA GPU through cubecl-cuda 0.10. See the [module docs](self).
+/// The engine on an NVIDIA GPU through cubecl-cuda 0.10. See the [module docs](crate::cuda).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CudaRuntime;
 
@@ -265,7 +232,7 @@ impl StreamRuntime for CudaRuntime {
             streams: Default::default(),
             device: device.clone(),
             transfer: Default::default(),
-            retirement: crate::transfer::RetirementQueue::new(RETIREMENT_CAPACITY),
+            retirement: crate::runtime::RetirementQueue::new(RETIREMENT_CAPACITY),
             client,
         })
     }

@@ -48,7 +48,7 @@ use hashbrown::HashMap;
 use parking_lot::{Condvar, Mutex};
 
 use super::{CudaContext, CudaHandle, CudaRuntime};
-use crate::transfer::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
+use crate::runtime::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
 use crate::{Error, Result};
 
 /// A driver call that sets something up (a context, a stream, an event, memory) failed: a

@@ -1,20 +1,4 @@
-//! [`HostRuntime`]: the embedded default runtime, an asynchronous CPU device.
-//!
-//! It behaves like a GPU where ordering is concerned, so every ordering rule of the engine is
-//! exercised without one:
-//!
-//! * **Asynchronous streams.** Each stream has a worker thread; `launch` only *dispatches* a kernel
-//!   to it and returns. Work is genuinely pending until the worker gets to it.
-//! * **Cross-stream ordering.** Every buffer write has a completion marker; a
-//!   kernel waits (on its worker, never on the caller's thread) for the markers of every buffer it
-//!   reads, so a view consumed on stream B is ordered after its producer on stream A.
-//! * **No reuse under a reader.** In-flight kernels own references to the buffers they read, so a
-//!   buffer is never freed or written in place while any stream still reads it.
-//! * **Execution-time failures.** A kernel can fail on the device after a successful dispatch
-//!   (`FusionClient::fail_on_device`, feature `testing`); its marker records the error, kernels reading the
-//!   buffer propagate it, and the read that waits for it returns it.
-//! * **Teardown.** Dropping the last owner of the [`HostContext`] lets every worker finish what was
-//!   dispatched to it, then joins them.
+//! The embedded host runtime; its public face, with the design notes, is [`crate::host`].
 
 mod kernels;
 pub(crate) mod marker;
@@ -40,7 +24,7 @@ use marker::Marker;
 use worker::Workers;
 
 use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
-use crate::transfer::{Retired, RetirementQueue};
+use crate::runtime::{Retired, RetirementQueue};
 
 /// Bound of the host device's retirement queue (drainable side).
 const RETIREMENT_CAPACITY: usize = 256;
@@ -280,7 +264,7 @@ impl<R: FusionRuntime> Optimization<R> for Unfused {
     }
 }
 
-/// The embedded asynchronous CPU runtime. See the [module docs](self).
+/// The embedded asynchronous CPU runtime. See the [module docs](crate::host).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostRuntime;
 

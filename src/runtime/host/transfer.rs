@@ -9,7 +9,7 @@ use burn_backend::{DType, StreamId};
 use super::kernels::HostData;
 use super::marker::Marker;
 use super::{HostContext, HostHandle, HostRuntime};
-use crate::transfer::{PinnedHostBuffer, Retired, RetirementQueue, TransferRuntime};
+use crate::runtime::{PinnedHostBuffer, Retired, RetirementQueue, TransferRuntime};
 use crate::{Error, Result};
 
 /// A completion event of the host device (an opaque marker).

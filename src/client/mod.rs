@@ -1,4 +1,9 @@
-//! [`FusionClient`]: a device's engine, and the calls a framework makes into it.
+//! The user API: [`FusionClient`] (a device's engine, and the calls a framework makes into it),
+//! [`FusionTensor`], and the built-in operations.
+//!
+//! A tensor holds its client and a client makes tensors, so the two live in one module; below
+//! it sit the engine ([`crate::stream`]) and what it queues ([`crate::operation`]), neither of
+//! which imports anything from here.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -10,13 +15,16 @@ use smallvec::SmallVec;
 
 use crate::error::Rejected;
 use crate::operation::{
-    BurnOperation, CustomExecutor, CustomOperation, FallibleOperation, WithRepr,
+    BurnOperation, CustomExecutor, CustomOperation, FallibleOperation, IntoQueued, WithRepr,
 };
 use crate::runtime::StreamRuntime;
-use crate::stream::IntoQueued;
 use crate::stream::{EngineConfig, EngineStats, Entry, MultiStream, in_engine};
-use crate::tensor::FusionTensor;
 use crate::{Error, Result};
+
+mod ops;
+mod tensor;
+
+pub use tensor::FusionTensor;
 
 struct ClientInner<R: StreamRuntime> {
     // Field order is drop order: the engine (and the handles it holds) goes before the device.

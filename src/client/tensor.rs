@@ -6,7 +6,7 @@ use std::sync::Arc;
 use burn_backend::{DType, Element, Shape, StreamId, TensorData};
 use burn_ir::{TensorId, TensorIr, TensorStatus};
 
-use crate::client::FusionClient;
+use super::FusionClient;
 use crate::live::{Live, Release};
 use crate::runtime::StreamRuntime;
 use crate::stream::StreamCell;

@@ -88,7 +88,7 @@ pub struct PinnedHostBuffer {
 
 impl PinnedHostBuffer {
     /// A page-aligned host buffer of `len` bytes, zero-filled. Any runtime can copy into it; a
-    /// runtime's own allocator ([`crate::transfer::TransferRuntime::alloc_pinned`]) may give
+    /// runtime's own allocator ([`crate::runtime::TransferRuntime::alloc_pinned`]) may give
     /// memory its copies are faster into (page-locked memory on CUDA).
     ///
     /// A zero length is rejected with [`Error::InvalidData`], a length no allocation can have

@@ -1,5 +1,9 @@
-//! Operations the engine queues: the fallible-op trait, the adapter for burn's [`Operation`], and
-//! the executors of custom operations.
+//! What a stream's queue stores, and the traits users implement to put operations there: the
+//! fallible-op trait, the adapter for burn's [`Operation`], and the executors of custom
+//! operations.
+//!
+//! This module depends only on [`crate::runtime`]: the engine (`stream/`) and the user API
+//! (`client/`) both build on it, and neither is imported from here.
 //!
 //! burn-fusion 0.21's [`Operation::execute`] returns `()`: a failing burn op can only panic. The
 //! engine's own trait, [`FallibleOperation`], returns a [`Result`], and the engine contains panics
@@ -8,15 +12,20 @@
 
 use std::fmt;
 
-use std::borrow::Cow;
-
 use burn_fusion::FusionRuntime;
 use burn_fusion::stream::Operation;
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
-use smallvec::SmallVec;
 
 use crate::Result;
 use crate::runtime::StreamRuntime;
+
+mod builtin;
+mod custom;
+mod queued;
+
+pub(crate) use builtin::Builtin;
+pub(crate) use custom::{CustomOperation, WithRepr};
+pub(crate) use queued::{IntoQueued, PendingOp, QueuedOp};
 
 /// An operation that can fail without panicking.
 ///
@@ -153,83 +162,5 @@ impl<'a> IntoIterator for Irs<'a> {
 
     fn into_iter(self) -> Self::IntoIter {
         self.head.iter().chain(self.last)
-    }
-}
-
-/// A [`FallibleOperation`] registered together with its IR.
-pub(crate) struct WithRepr<O> {
-    pub(crate) name: Cow<'static, str>,
-    pub(crate) repr: OperationIr,
-    pub(crate) inputs: SmallVec<[TensorIr; 2]>,
-    pub(crate) outputs: SmallVec<[TensorIr; 1]>,
-    pub(crate) operation: O,
-}
-
-impl<R: StreamRuntime, O: FallibleOperation<R> + 'static> crate::stream::IntoQueued<R>
-    for WithRepr<O>
-{
-}
-
-impl<R: StreamRuntime, O: FallibleOperation<R>> OpBody<R> for WithRepr<O> {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
-        _: &R::Context,
-    ) -> Result<()> {
-        self.operation.execute(handles)
-    }
-
-    fn inputs(&self) -> Irs<'_> {
-        Irs::list(&self.inputs)
-    }
-
-    fn outputs(&self) -> &[TensorIr] {
-        &self.outputs
-    }
-
-    fn repr(&self) -> OperationIr {
-        self.repr.clone()
-    }
-}
-
-/// A custom operation: its IR plus its executor.
-pub(crate) struct CustomOperation<R: FusionRuntime, E> {
-    pub(crate) ir: CustomOpIr,
-    pub(crate) executor: E,
-    pub(crate) _runtime: std::marker::PhantomData<fn() -> R>,
-}
-
-impl<R: StreamRuntime, E: CustomExecutor<R>> crate::stream::IntoQueued<R>
-    for CustomOperation<R, E>
-{
-}
-
-impl<R: StreamRuntime, E: CustomExecutor<R>> OpBody<R> for CustomOperation<R, E> {
-    fn name(&self) -> &str {
-        &self.ir.id
-    }
-
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
-        _: &R::Context,
-    ) -> Result<()> {
-        self.executor.execute(&self.ir, handles)
-    }
-
-    fn inputs(&self) -> Irs<'_> {
-        Irs::list(&self.ir.inputs)
-    }
-
-    fn outputs(&self) -> &[TensorIr] {
-        &self.ir.outputs
-    }
-
-    fn repr(&self) -> OperationIr {
-        OperationIr::Custom(self.ir.clone())
     }
 }

@@ -1,131 +1,15 @@
-//! The built-in operations: validated, recorded as the burn IR a burn backend would record, and
-//! executed by the runtime's [`StreamRuntime::launch`].
+//! The built-in operations' API: operands validated, then a [`Builtin`] queued (recorded as the
+//! burn IR a burn backend would record, executed by the runtime's [`StreamRuntime::launch`]).
 
 use burn_backend::{DType, Shape};
-use burn_ir::{
-    BinaryOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr, NumericOperationIr,
-    OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
-};
+use burn_ir::TensorIr;
 use smallvec::SmallVec;
 
-use crate::client::{FusionClient, Operand, Operands, hand_back};
+use super::{FusionClient, FusionTensor, Operand, Operands, hand_back};
 use crate::error::Rejected;
-use crate::operation::OpBody;
-use crate::runtime::{Kernel, KernelInput, StreamRuntime};
-use crate::tensor::FusionTensor;
+use crate::operation::Builtin;
+use crate::runtime::{Kernel, StreamRuntime};
 use crate::{Error, Result};
-
-/// Runs a built-in kernel: takes the operands from the stream's handles, launches, registers the
-/// output. Its burn IR is derived on demand.
-pub(crate) struct Builtin {
-    kernel: Kernel,
-    inputs: SmallVec<[TensorIr; 2]>,
-    out: [TensorIr; 1],
-}
-
-impl<R: StreamRuntime> OpBody<R> for Builtin {
-    fn name(&self) -> &str {
-        self.kernel.name()
-    }
-
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
-        context: &R::Context,
-    ) -> Result<()> {
-        let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
-            handle: handles.get_handle(&ir.id, &ir.status),
-            ir,
-        }));
-        let [out] = &self.out;
-        let handle = R::launch(context, &self.kernel, inputs, out)?;
-        handles.register_handle(out.id, handle);
-        Ok(())
-    }
-
-    fn inputs(&self) -> crate::operation::Irs<'_> {
-        crate::operation::Irs::list(&self.inputs)
-    }
-
-    fn outputs(&self) -> &[TensorIr] {
-        &self.out
-    }
-
-    fn repr(&self) -> OperationIr {
-        kernel_ir(&self.kernel, &self.inputs, &self.out[0])
-    }
-
-    fn drop_runs_user_code(&self) -> bool {
-        // A kernel descriptor and IRs: plain data.
-        false
-    }
-}
-
-fn numeric(dtype: DType, op: NumericOperationIr) -> OperationIr {
-    if dtype.is_float() {
-        OperationIr::NumericFloat(dtype, op)
-    } else {
-        OperationIr::NumericInt(dtype, op)
-    }
-}
-
-/// The burn IR of a built-in kernel.
-fn kernel_ir(kernel: &Kernel, inputs: &[TensorIr], out: &TensorIr) -> OperationIr {
-    let dtype = out.dtype;
-    let out = out.clone();
-    let binary = || BinaryOpIr {
-        lhs: inputs[0].clone(),
-        rhs: inputs[1].clone(),
-        out: out.clone(),
-    };
-    match kernel {
-        Kernel::Add => numeric(dtype, NumericOperationIr::Add(binary())),
-        Kernel::Mul => numeric(dtype, NumericOperationIr::Mul(binary())),
-        Kernel::Scale(factor) => numeric(
-            dtype,
-            NumericOperationIr::MulScalar(ScalarOpIr {
-                lhs: inputs[0].clone(),
-                rhs: ScalarIr::Float(*factor),
-                out,
-            }),
-        ),
-        Kernel::Exp => OperationIr::Float(
-            dtype,
-            FloatOperationIr::Exp(UnaryOpIr {
-                input: inputs[0].clone(),
-                out,
-            }),
-        ),
-        Kernel::Sum => numeric(
-            dtype,
-            NumericOperationIr::Sum(ReduceOpIr {
-                input: inputs[0].clone(),
-                out,
-            }),
-        ),
-        Kernel::Matmul => OperationIr::Float(
-            dtype,
-            FloatOperationIr::Matmul(MatmulOpIr {
-                lhs: inputs[0].clone(),
-                rhs: inputs[1].clone(),
-                out,
-            }),
-        ),
-        Kernel::Fill(value) => numeric(
-            dtype,
-            NumericOperationIr::Full(FullOpIr {
-                out,
-                value: ScalarIr::Float(*value),
-            }),
-        ),
-        #[cfg(feature = "testing")]
-        Kernel::FailOnDevice => OperationIr::Custom(burn_ir::CustomOpIr {
-            id: "fusion_streams::fail_on_device".to_owned(),
-            inputs: inputs.to_vec(),
-            outputs: vec![out],
-        }),
-    }
-}
 
 fn arity(kernel: &Kernel) -> usize {
     match kernel {

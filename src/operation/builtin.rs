@@ -1,0 +1,125 @@
+//! The body of a built-in operation: a [`Kernel`] and its operand IRs, executed by the runtime's
+//! [`StreamRuntime::launch`]. Its burn IR is derived only when somebody inspects the queue.
+
+use burn_backend::DType;
+use burn_ir::{
+    BinaryOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr, NumericOperationIr,
+    OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
+};
+use smallvec::SmallVec;
+
+use super::{Irs, OpBody};
+use crate::Result;
+use crate::runtime::{Kernel, KernelInput, StreamRuntime};
+
+/// Runs a built-in kernel: takes the operands from the stream's handles, launches, registers the
+/// output. Its burn IR is derived on demand.
+pub(crate) struct Builtin {
+    pub(crate) kernel: Kernel,
+    pub(crate) inputs: SmallVec<[TensorIr; 2]>,
+    pub(crate) out: [TensorIr; 1],
+}
+
+impl<R: StreamRuntime> OpBody<R> for Builtin {
+    fn name(&self) -> &str {
+        self.kernel.name()
+    }
+
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> Result<()> {
+        let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
+            handle: handles.get_handle(&ir.id, &ir.status),
+            ir,
+        }));
+        let [out] = &self.out;
+        let handle = R::launch(context, &self.kernel, inputs, out)?;
+        handles.register_handle(out.id, handle);
+        Ok(())
+    }
+
+    fn inputs(&self) -> Irs<'_> {
+        Irs::list(&self.inputs)
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        &self.out
+    }
+
+    fn repr(&self) -> OperationIr {
+        kernel_ir(&self.kernel, &self.inputs, &self.out[0])
+    }
+
+    fn drop_runs_user_code(&self) -> bool {
+        // A kernel descriptor and IRs: plain data.
+        false
+    }
+}
+
+fn numeric(dtype: DType, op: NumericOperationIr) -> OperationIr {
+    if dtype.is_float() {
+        OperationIr::NumericFloat(dtype, op)
+    } else {
+        OperationIr::NumericInt(dtype, op)
+    }
+}
+
+/// The burn IR of a built-in kernel.
+fn kernel_ir(kernel: &Kernel, inputs: &[TensorIr], out: &TensorIr) -> OperationIr {
+    let dtype = out.dtype;
+    let out = out.clone();
+    let binary = || BinaryOpIr {
+        lhs: inputs[0].clone(),
+        rhs: inputs[1].clone(),
+        out: out.clone(),
+    };
+    match kernel {
+        Kernel::Add => numeric(dtype, NumericOperationIr::Add(binary())),
+        Kernel::Mul => numeric(dtype, NumericOperationIr::Mul(binary())),
+        Kernel::Scale(factor) => numeric(
+            dtype,
+            NumericOperationIr::MulScalar(ScalarOpIr {
+                lhs: inputs[0].clone(),
+                rhs: ScalarIr::Float(*factor),
+                out,
+            }),
+        ),
+        Kernel::Exp => OperationIr::Float(
+            dtype,
+            FloatOperationIr::Exp(UnaryOpIr {
+                input: inputs[0].clone(),
+                out,
+            }),
+        ),
+        Kernel::Sum => numeric(
+            dtype,
+            NumericOperationIr::Sum(ReduceOpIr {
+                input: inputs[0].clone(),
+                out,
+            }),
+        ),
+        Kernel::Matmul => OperationIr::Float(
+            dtype,
+            FloatOperationIr::Matmul(MatmulOpIr {
+                lhs: inputs[0].clone(),
+                rhs: inputs[1].clone(),
+                out,
+            }),
+        ),
+        Kernel::Fill(value) => numeric(
+            dtype,
+            NumericOperationIr::Full(FullOpIr {
+                out,
+                value: ScalarIr::Float(*value),
+            }),
+        ),
+        #[cfg(feature = "testing")]
+        Kernel::FailOnDevice => OperationIr::Custom(burn_ir::CustomOpIr {
+            id: "fusion_streams::fail_on_device".to_owned(),
+            inputs: inputs.to_vec(),
+            outputs: vec![out],
+        }),
+    }
+}

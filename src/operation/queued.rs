@@ -1,0 +1,66 @@
+//! What a stream's queue stores: a drop, or a boxed operation body.
+
+use burn_ir::{HandleContainer, OperationIr, TensorId, TensorIr};
+
+use super::{Irs, OpBody};
+use crate::Result;
+use crate::runtime::StreamRuntime;
+
+/// An operation waiting in a stream's queue: one allocation holding its executor, name and
+/// operand IRs (which the engine's bookkeeping reads in place).
+pub(crate) type PendingOp<R> = Box<dyn OpBody<R>>;
+
+/// A queue entry: a drop, or an operation. Sixteen bytes, so that queueing and draining move a
+/// pointer: an operation body with its IR is a few hundred bytes, and moving it by value in and
+/// out of the queue cost more than the allocation that boxing it takes (measured with callgrind
+/// on a chain of backend operations).
+pub(crate) enum QueuedOp<R: StreamRuntime> {
+    Drop(TensorId),
+    Op(PendingOp<R>),
+}
+
+/// How an operation body becomes a queue entry.
+pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
+    fn into_queued(self) -> QueuedOp<R> {
+        QueuedOp::Op(Box::new(self))
+    }
+}
+
+/// A body boxed where it is built: registration then moves a pointer, not the body, through
+/// validation and into the stream's critical section (a backend operation's body is several
+/// hundred bytes of IR).
+impl<R: StreamRuntime, B: OpBody<R> + 'static> IntoQueued<R> for Box<B> {
+    fn into_queued(self) -> QueuedOp<R> {
+        QueuedOp::Op(self)
+    }
+}
+
+impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> Result<()> {
+        (**self).execute(handles, context)
+    }
+
+    fn inputs(&self) -> Irs<'_> {
+        (**self).inputs()
+    }
+
+    fn outputs(&self) -> &[TensorIr] {
+        (**self).outputs()
+    }
+
+    fn repr(&self) -> OperationIr {
+        (**self).repr()
+    }
+
+    fn drop_runs_user_code(&self) -> bool {
+        (**self).drop_runs_user_code()
+    }
+}
