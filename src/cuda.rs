@@ -56,7 +56,7 @@
 //! ```
 
 pub use crate::runtime::cuda::{
-    CudaClient, CudaContext, CudaDevice, CudaEvent, CudaHandle, CudaRuntime,
+    CudaClient, CudaContext, CudaDevice, CudaEvent, CudaHandle, CudaRuntime, CudaSource,
 };
 pub use crate::transfer::{
     DownloadFailed, PinnedHostBuffer, PublicationAdmissionError, PublicationError,

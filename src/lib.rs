@@ -30,13 +30,14 @@
 //!
 //! ## Layout
 //!
-//! * [`MultiStream`] — per-stream lazy queues and handle maps, shared views, foreign drops.
-//! * [`FusionTensor`] — the user-facing tensor.
-//! * [`FusionClient`] — one device's engine: upload, built-in ops, custom and burn operations,
-//!   reads, statistics.
-//! * [`runtime`] — what the engine needs from a device ([`runtime::StreamRuntime`]), and the
-//!   embedded asynchronous CPU device [`host::HostRuntime`].
-//! * [`transfer`] — held sessions, source publication, pinned downloads, the retirement queue.
+//! * [`FusionClient`] and [`FusionTensor`] — the user API: upload, built-in ops, custom and burn
+//!   operations, reads, statistics.
+//! * [`MultiStream`] — the engine: per-stream lazy queues and handle maps, shared views, foreign
+//!   drops.
+//! * [`runtime`] — every device contract ([`runtime::StreamRuntime`],
+//!   [`runtime::TransferRuntime`], the retirement queue); the runtimes themselves are [`host`]
+//!   (the embedded asynchronous CPU device) and `cuda` (feature `cuda`).
+//! * [`transfer`] — held sessions, source publication, pinned downloads.
 //! * [`backend`] — [`backend::StreamFusion`], a burn `Backend` over the engine for any backend
 //!   that speaks burn's IR.
 //!

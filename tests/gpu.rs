@@ -33,10 +33,10 @@ on_gpu! {
     pending_share_drains_then_aliases(&client());
     materialised_share_does_not_drain(&client());
     chained_share_drains_once(&client());
-    every_drop_order_frees_each_id_once(client);
+    every_drop_order_frees_each_id_once(client, &suite::Counters::none());
     foreign_drop_under_a_pending_reader_is_deferred(&client());
     errors_travel_across_threads(&client());
-    in_place_is_refused_while_an_alias_lives(&client());
+    in_place_is_refused_while_an_alias_lives(&client(), &suite::Counters::none());
     nothing_leaks_after_cross_thread_work(&client());
 }
 

@@ -196,43 +196,6 @@ fn home_drops_enqueue_and_foreign_drops_never_touch_the_queue() {
     assert!(!c.streams().holds(main, x_id).unwrap());
 }
 
-/// Aliases disable in-place reuse: `can_mut()` is false while two handles exist.
-#[test]
-fn in_place_reuse_is_refused_while_an_alias_lives() {
-    let c = client();
-    let peer = Peer::spawn();
-
-    // No alias: the consumed operand's buffer is reused.
-    let lone = f32s(&c, &[1.0, 2.0]);
-    let out = c
-        .launch(
-            fusion_streams::runtime::Kernel::Scale(2.0),
-            vec![lone.into()],
-        )
-        .unwrap();
-    assert_eq!(values(&out), vec![2.0, 4.0]);
-    assert_eq!(host(&c).in_place_reuses, 1);
-
-    // An alias on another thread: same call, no reuse, and the alias keeps its data.
-    let shared = f32s(&c, &[1.0, 2.0]);
-    let s2 = shared.clone();
-    let view = peer.run(move || s2.clone());
-    let out = c
-        .launch(
-            fusion_streams::runtime::Kernel::Scale(2.0),
-            vec![shared.into()],
-        )
-        .unwrap();
-    assert_eq!(values(&out), vec![2.0, 4.0]);
-    assert_eq!(
-        host(&c).in_place_reuses,
-        1,
-        "aliased buffer was written in place"
-    );
-    let view_values = peer.run(move || values(&view));
-    assert_eq!(view_values, vec![1.0, 2.0]);
-}
-
 fn failing_op(c: &Client, input: &Tensor) -> Tensor {
     c.op("boom")
         .read(input)

@@ -4,7 +4,15 @@
 mod common;
 mod suite;
 
-use common::client;
+use common::{Client, client, host};
+
+/// The host device counts its buffers and in-place reuses.
+fn host_counters() -> suite::Counters<fusion_streams::host::HostRuntime> {
+    suite::Counters {
+        live_buffers: |c: &Client| Some(host(c).live_buffers()),
+        in_place_reuses: |c: &Client| Some(host(c).in_place_reuses),
+    }
+}
 
 #[test]
 fn builtins_match_reference() {
@@ -28,7 +36,7 @@ fn chained_share_drains_once() {
 
 #[test]
 fn every_drop_order_frees_each_id_once() {
-    suite::every_drop_order_frees_each_id_once(client);
+    suite::every_drop_order_frees_each_id_once(client, &host_counters());
 }
 
 #[test]
@@ -43,7 +51,7 @@ fn errors_travel_across_threads() {
 
 #[test]
 fn in_place_is_refused_while_an_alias_lives() {
-    suite::in_place_is_refused_while_an_alias_lives(&client());
+    suite::in_place_is_refused_while_an_alias_lives(&client(), &host_counters());
 }
 
 #[test]

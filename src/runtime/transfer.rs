@@ -16,27 +16,37 @@ pub trait TransferRuntime: StreamRuntime {
     /// A completion marker recorded on a stream (a CUDA event; a host marker).
     type Event: Send + Sync + 'static;
 
+    /// What a download copies from: a published value's buffer, with whatever the runtime needs
+    /// to reach it. Owned by the publication, then by its download until the copy completes.
+    type Source: Send + Sync + 'static;
+
     /// Whether values of `dtype` can be published.
     fn publishable(dtype: DType) -> bool;
 
     /// Record, on `stream`, an event that completes once everything dispatched to `stream` so far
-    /// — and the last write of `handle` — has finished. Must not wait.
+    /// — and the last write of `handle` — has finished; and turn `handle` into the source a
+    /// download copies from. Must not wait.
     fn record_frontier(
         context: &Self::Context,
         stream: StreamId,
-        handle: &Self::FusionHandle,
-    ) -> Result<Self::Event>;
+        handle: Self::FusionHandle,
+    ) -> Result<(Self::Source, Self::Event)>;
 
-    /// Enqueue, in `stream`'s order and after `frontier`, a copy of `bytes` bytes of `handle`'s
-    /// buffer into `buffer`. Must not wait. `buffer` stays alive (its owner holds it) until the
-    /// returned event completes.
-    fn download(
+    /// Enqueue, in `stream`'s order and after `frontier`, a copy of the first `buffer.len()`
+    /// bytes of `source` into `buffer`. Must not wait. A buffer longer than the source is an
+    /// error ([`crate::Error::BufferSize`]).
+    ///
+    /// # Safety
+    ///
+    /// The caller keeps `source` and `buffer` alive, and does not touch `buffer`'s bytes, until
+    /// the returned event has completed: the runtime does not keep them alive itself, so that
+    /// each has one owner (a download record, then possibly a retired one).
+    unsafe fn download(
         context: &Self::Context,
         stream: StreamId,
-        handle: &Self::FusionHandle,
+        source: &Self::Source,
         frontier: &Self::Event,
         buffer: &PinnedHostBuffer,
-        bytes: usize,
     ) -> Result<Self::Event>;
 
     /// The event's outcome if it has completed. Never waits, and never reports a failed event as
@@ -53,13 +63,12 @@ pub trait TransferRuntime: StreamRuntime {
     fn retirement(context: &Self::Context) -> &RetirementQueue<Retired<Self>>;
 }
 
-/// A detached transfer record: an event and everything the device may still touch until it
-/// completes.
+/// A detached transfer record: an event, and the one owner of everything the device may still
+/// touch until it completes (the source, and a download's buffer).
 pub struct Retired<R: TransferRuntime> {
     pub(crate) event: R::Event,
-    pub(crate) _handle: Option<R::FusionHandle>,
+    pub(crate) _source: R::Source,
     pub(crate) _buffer: Option<PinnedHostBuffer>,
-    pub(crate) _frontier: Option<R::Event>,
 }
 
 impl<R: TransferRuntime> std::fmt::Debug for Retired<R> {

@@ -10,11 +10,11 @@ use super::error::{DownloadFailed, DownloadRejected, PublicationAdmissionError, 
 use crate::runtime::{PinnedHostBuffer, Retired, TransferRuntime};
 use crate::{Error, Result};
 
-/// What a publication retains: the runtime pin, a second owner of the value's allocation, and the
-/// frontier recorded on the captured stream.
+/// What a publication retains: the runtime pin, the value's source (the one owner of its
+/// allocation once the engine id is released), and the frontier recorded on the captured stream.
 struct Record<R: TransferRuntime> {
     context: Arc<R::Context>,
-    handle: R::FusionHandle,
+    source: R::Source,
     frontier: R::Event,
     stream: StreamId,
     shape: Shape,
@@ -55,7 +55,7 @@ pub struct SourcePublication<R: TransferRuntime> {
 impl<R: TransferRuntime> SourcePublication<R> {
     pub(crate) fn new(
         context: Arc<R::Context>,
-        handle: R::FusionHandle,
+        source: R::Source,
         frontier: R::Event,
         stream: StreamId,
         shape: Shape,
@@ -64,7 +64,7 @@ impl<R: TransferRuntime> SourcePublication<R> {
         Self {
             record: Some(Record {
                 context,
-                handle,
+                source,
                 frontier,
                 stream,
                 shape,
@@ -179,21 +179,24 @@ impl<R: TransferRuntime> SourcePublication<R> {
             };
             return refuse(self, buffer, reason);
         }
-        let event = match R::download(
-            &record.context,
-            record.stream,
-            &record.handle,
-            &record.frontier,
-            &buffer,
-            bytes,
-        ) {
+        // SAFETY: the download record takes the source and the buffer, and holds them (or
+        // retires them) until the event completes.
+        let downloaded = unsafe {
+            R::download(
+                &record.context,
+                record.stream,
+                &record.source,
+                &record.frontier,
+                &buffer,
+            )
+        };
+        let event = match downloaded {
             Ok(event) => event,
             Err(reason) => return refuse(self, buffer, reason),
         };
         let Record {
             context,
-            handle,
-            frontier,
+            source,
             stream,
             ..
         } = self
@@ -206,8 +209,7 @@ impl<R: TransferRuntime> SourcePublication<R> {
                 context,
                 event,
                 buffer,
-                handle,
-                frontier,
+                source,
                 bytes,
             }),
         })
@@ -229,16 +231,15 @@ impl<R: TransferRuntime> Drop for SourcePublication<R> {
         let terminal = matches!(outcome, Some(Err(_)));
         let Record {
             context,
-            handle,
+            source,
             frontier,
             ..
         } = record;
         R::retirement(&context).retire(
             Retired {
                 event: frontier,
-                _handle: Some(handle),
+                _source: source,
                 _buffer: None,
-                _frontier: None,
             },
             terminal,
         );
@@ -263,12 +264,13 @@ impl<R: TransferRuntime> fmt::Debug for SourcePublication<R> {
     }
 }
 
+/// A download in flight: the copy's event, and the one owner of what the copy touches (the
+/// source and the buffer) until it completes.
 struct DownloadRecord<R: TransferRuntime> {
     context: Arc<R::Context>,
     event: R::Event,
     buffer: PinnedHostBuffer,
-    handle: R::FusionHandle,
-    frontier: R::Event,
+    source: R::Source,
     bytes: usize,
 }
 
@@ -338,16 +340,14 @@ impl<R: TransferRuntime> Drop for PendingDownload<R> {
             context,
             event,
             buffer,
-            handle,
-            frontier,
+            source,
             ..
         } = record;
         R::retirement(&context).retire(
             Retired {
                 event,
-                _handle: Some(handle),
+                _source: source,
                 _buffer: Some(buffer),
-                _frontier: Some(frontier),
             },
             false,
         );

@@ -8,7 +8,7 @@ use burn_backend::StreamId;
 use super::error::{PublicationAdmissionError, PublicationRejected};
 use super::publication::SourcePublication;
 use crate::runtime::TransferRuntime;
-use crate::stream::{Entry, in_engine};
+use crate::stream::in_engine;
 use crate::{Error, FusionClient, FusionTensor, Result};
 
 /// A held session on a client's stream: captures [`StreamId::current`] when opened.
@@ -176,25 +176,16 @@ impl<R: TransferRuntime> HeldSession<R> {
         stream.executes(|| {
             // Dispatch everything the session queued: no lazy source work in the later copy.
             streams.drain(stream);
-            // A value produced on another stream is reached through a view on this one.
-            let view = (value.stream() != stream).then(|| value.share());
-            let target = view.as_ref().unwrap_or(&value);
-            let entry = match streams.read_entry(&target.inner.home, target.id()) {
-                Ok(entry) => entry,
-                Err(reason) => {
-                    drop(view);
-                    return reject(value, reason);
-                }
-            };
-            let handle = match entry {
-                Entry::Handle(handle) => handle,
-                Entry::Failed(reason) => {
-                    drop(view);
-                    return reject(value, reason);
-                }
+            // The value's producer is dispatched (its home stream drained if it was pending). A
+            // value from another stream needs no view here: its writers all ran on its home
+            // stream or on the buffer's allocating stream, which the frontier covers.
+            // SAFETY: the handle becomes the publication's source, which only reads the buffer.
+            let handle = match unsafe { value.handle() } {
+                Ok(handle) => handle,
+                Err(reason) => return reject(value, reason),
             };
             let context = self.client.context().clone();
-            let frontier = match R::record_frontier(&context, stream, &handle) {
+            let (source, frontier) = match R::record_frontier(&context, stream, handle) {
                 Ok(frontier) => frontier,
                 Err(error) => {
                     tracing::debug!(%stream, %error, "publication unproven");
@@ -204,14 +195,14 @@ impl<R: TransferRuntime> HeldSession<R> {
             tracing::trace!(%stream, tensor = %value.id(), "published");
             let publication = SourcePublication::new(
                 context,
-                handle,
+                source,
                 frontier,
                 stream,
                 value.shape().clone(),
                 value.dtype(),
             );
-            // The publication owns the allocation now; the engine ids go.
-            drop((view, value));
+            // The publication owns the allocation now; the engine id goes.
+            drop(value);
             Ok(publication)
         })
     }

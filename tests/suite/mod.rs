@@ -1,8 +1,9 @@
 //! The cross-thread tests that make sense on any device, generic over the runtime.
 //!
 //! Instantiated for the host runtime in `suite_host.rs` (CI) and for CUDA in `gpu.rs`. Checks are
-//! engine-level (handles, shares, drains, frees) and value-level; nothing here depends on the
-//! device's own counters.
+//! engine-level (handles, shares, drains, frees) and value-level. Where a device counter says
+//! more (live buffers, in-place reuses), the caller passes a [`Counters`] that reads it; a
+//! runtime without that counter passes [`Counters::none`].
 #![allow(dead_code)]
 
 use burn_backend::{DType, StreamId, TensorData};
@@ -19,6 +20,24 @@ pub fn matrix<R: StreamRuntime>(
     cols: usize,
 ) -> FusionTensor<R> {
     c.from_data(TensorData::new(values, [rows, cols])).unwrap()
+}
+
+/// Device counters a runtime may expose to the suite, read after the work so far has settled.
+pub struct Counters<R: StreamRuntime> {
+    /// Buffers allocated and not yet freed.
+    pub live_buffers: fn(&FusionClient<R>) -> Option<u64>,
+    /// Kernels that wrote a consumed input's buffer in place.
+    pub in_place_reuses: fn(&FusionClient<R>) -> Option<u64>,
+}
+
+impl<R: StreamRuntime> Counters<R> {
+    /// For a runtime that counts neither.
+    pub fn none() -> Self {
+        Self {
+            live_buffers: |_| None,
+            in_place_reuses: |_| None,
+        }
+    }
 }
 
 /// Run every stream's pending work and wait for the current stream's device work.
@@ -91,35 +110,53 @@ pub fn builtins_match_reference<R: StreamRuntime>(c: &FusionClient<R>) {
     );
 }
 
+/// A clone of a pending source on another thread drains the source stream, then aliases.
 pub fn pending_share_drains_then_aliases<R: StreamRuntime>(c: &FusionClient<R>) {
     let main = StreamId::current();
     let x = f32s(c, &[1.0, 2.0, 3.0]);
     let y = x.scale(2.0).unwrap();
-    assert!(!c.streams().holds(main, y.id()).unwrap());
+    assert!(
+        !c.streams().holds(main, y.id()).unwrap(),
+        "y is still pending"
+    );
     let peer = Peer::spawn();
+    let peer_stream = peer.stream();
     let y2 = y.clone();
     let view = peer.run(move || y2.clone());
-    assert_ne!(view.id(), y.id());
+    assert_ne!(view.id(), y.id(), "a view is a fresh id");
+    assert_eq!(view.stream(), peer_stream, "homed on the receiving stream");
     assert!(c.streams().holds(main, y.id()).unwrap(), "drained");
+    assert!(
+        c.streams().holds(peer_stream, view.id()).unwrap(),
+        "alias registered"
+    );
     let s = c.stats();
-    assert_eq!((s.shares, s.share_drains), (1, 1));
+    assert_eq!((s.shares, s.share_drains, s.drains), (1, 1, 1));
     let got = peer.run(move || values(&view.scale(1.0).unwrap()));
     assert_eq!(got, vec![2.0, 4.0, 6.0]);
 }
 
+/// A clone of a materialised source does not drain, and is not tracked as a drained source.
 pub fn materialised_share_does_not_drain<R: StreamRuntime>(c: &FusionClient<R>) {
     let x = f32s(c, &[4.0, 5.0]);
+    let y = x.scale(2.0).unwrap();
+    assert_eq!(values(&y), vec![8.0, 10.0]); // the read materialised y
+    let drains_before = c.stats().drains;
     let peer = Peer::spawn();
-    let x2 = x.clone();
-    let view = peer.run(move || x2.clone());
+    let (x2, y2) = (x.clone(), y.clone());
+    let (view, vy) = peer.run(move || (x2.clone(), y2.clone()));
     let s = c.stats();
-    assert_eq!((s.share_drains, s.share_fast_paths), (0, 1));
+    assert_eq!((s.share_drains, s.share_fast_paths), (0, 2));
+    assert_eq!(s.drains, drains_before, "no drain for materialised sources");
+    assert_eq!(s.shared_sources, 0, "only drained sources are tracked");
+    assert_eq!(values(&vy), vec![8.0, 10.0]);
     assert_eq!(
         peer.run(move || values(&view.add(&view).unwrap())),
         vec![8.0, 10.0]
     );
 }
 
+/// owner → peer → grandpeer: the second share finds the peer's id registered and skips the drain.
 pub fn chained_share_drains_once<R: StreamRuntime>(c: &FusionClient<R>) {
     let x = f32s(c, &[1.0, 2.0]);
     let y = x.scale(10.0).unwrap();
@@ -131,8 +168,12 @@ pub fn chained_share_drains_once<R: StreamRuntime>(c: &FusionClient<R>) {
         (v, forwarded)
     });
     let forwarded = at_peer.1;
+    let s = c.stats();
+    // The peer's second clone is of its own view: a plain clone, not a share.
+    assert_eq!((s.shares, s.share_drains), (1, 1));
     let at_grandpeer = grandpeer.run(move || forwarded.clone());
     let s = c.stats();
+    assert_eq!(s.shares, 2);
     assert_eq!(s.share_drains, 1, "no second drain along the chain");
     assert_eq!(s.shared_sources, 1);
     assert_eq!(values(&at_grandpeer), vec![10.0, 20.0]);
@@ -140,8 +181,12 @@ pub fn chained_share_drains_once<R: StreamRuntime>(c: &FusionClient<R>) {
 }
 
 /// Every drop order of an original and its alias, each on its home or a foreign thread: the
-/// survivor keeps its data, and each id is freed exactly once.
-pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(new: impl Fn() -> FusionClient<R>) {
+/// survivor keeps its data, each id is freed exactly once, and the one buffer lives until the
+/// last of them.
+pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(
+    new: impl Fn() -> FusionClient<R>,
+    counters: &Counters<R>,
+) {
     for original_first in [true, false] {
         for original_home in [true, false] {
             for alias_home in [true, false] {
@@ -151,6 +196,8 @@ pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(new: impl Fn() -> F
                 let peer = Peer::spawn();
                 let o2 = original.clone();
                 let alias = peer.run(move || o2.clone());
+                let buffers = |c: &FusionClient<R>| (counters.live_buffers)(c).unwrap_or(1);
+                assert_eq!(buffers(&c), 1, "{case}: one buffer, two ids");
                 let drop_original = |t: FusionTensor<R>| {
                     if original_home {
                         drop(t)
@@ -174,6 +221,7 @@ pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(new: impl Fn() -> F
                 };
                 settle(&c);
                 assert_eq!(c.stats().live_handles, 1, "{case}");
+                assert_eq!(buffers(&c), 1, "{case}: freed too early");
                 assert_eq!(values(&survivor), vec![7.0, 8.0], "{case}");
                 if original_first {
                     drop_alias(survivor)
@@ -183,23 +231,42 @@ pub fn every_drop_order_frees_each_id_once<R: StreamRuntime>(new: impl Fn() -> F
                 settle(&c);
                 let s = c.stats();
                 assert_eq!((s.live_handles, s.frees), (0, 2), "{case}");
+                if let Some(live) = (counters.live_buffers)(&c) {
+                    assert_eq!(live, 0, "{case}: the buffer outlived its last id");
+                }
                 peer.join();
             }
         }
     }
 }
 
+/// A foreign drop of a tensor that a pending op on its home stream still reads is deferred until
+/// that op has run, and leaves the home queue untouched.
 pub fn foreign_drop_under_a_pending_reader_is_deferred<R: StreamRuntime>(c: &FusionClient<R>) {
     let main = StreamId::current();
     let x = f32s(c, &[1.0, 2.0]);
-    let y = x.scale(3.0).unwrap();
+    let y = x.scale(3.0).unwrap(); // pending, reads x
     let x_id = x.id();
+    let queued = c.streams().pending(main).unwrap();
     let peer = Peer::spawn();
     peer.run(move || drop(x));
-    assert_eq!(c.stats().deferred_frees, 1);
-    assert!(c.streams().holds(main, x_id).unwrap());
+    let s = c.stats();
+    assert_eq!((s.foreign_drops, s.deferred_frees), (1, 1));
+    assert!(
+        c.streams().holds(main, x_id).unwrap(),
+        "x is still needed by the pending op"
+    );
+    assert_eq!(
+        c.streams().pending(main).unwrap(),
+        queued,
+        "home queue untouched"
+    );
     assert_eq!(values(&y), vec![3.0, 6.0]);
-    assert!(!c.streams().holds(main, x_id).unwrap());
+    assert!(
+        !c.streams().holds(main, x_id).unwrap(),
+        "freed once the reader ran"
+    );
+    assert_eq!(c.stats().deferred_frees_pending, 0);
 }
 
 pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
@@ -232,9 +299,27 @@ pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
     );
 }
 
-/// A consuming op on the original must not write the buffer a view on another thread still
-/// reads.
-pub fn in_place_is_refused_while_an_alias_lives<R: StreamRuntime>(c: &FusionClient<R>) {
+/// Aliases disable in-place reuse: a consuming op on the original must not write the buffer a
+/// view on another thread still reads. Without an alias, the same call reuses the buffer where
+/// the runtime counts reuses.
+pub fn in_place_is_refused_while_an_alias_lives<R: StreamRuntime>(
+    c: &FusionClient<R>,
+    counters: &Counters<R>,
+) {
+    let reuses = || {
+        settle(c);
+        (counters.in_place_reuses)(c)
+    };
+    let lone = f32s(c, &[1.0, 2.0]);
+    let out = c
+        .launch(Kernel::Scale(2.0), [Operand::Consume(lone)])
+        .unwrap();
+    assert_eq!(values(&out), vec![2.0, 4.0]);
+    let before = reuses();
+    if let Some(before) = before {
+        assert_eq!(before, 1, "a lone consumed operand is reused in place");
+    }
+
     let shared = f32s(c, &[1.0, 2.0]);
     let peer = Peer::spawn();
     let s2 = shared.clone();
@@ -243,6 +328,7 @@ pub fn in_place_is_refused_while_an_alias_lives<R: StreamRuntime>(c: &FusionClie
         .launch(Kernel::Scale(5.0), [Operand::Consume(shared)])
         .unwrap();
     assert_eq!(values(&out), vec![5.0, 10.0]);
+    assert_eq!(reuses(), before, "an aliased buffer was written in place");
     assert_eq!(peer.run(move || values(&view)), vec![1.0, 2.0]);
 }
 

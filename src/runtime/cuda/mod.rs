@@ -3,7 +3,7 @@
 mod kernels;
 mod transfer;
 
-pub use transfer::CudaEvent;
+pub use transfer::{CudaEvent, CudaSource};
 
 /// Bound of the device's retirement queue (drainable side).
 const RETIREMENT_CAPACITY: usize = 256;
@@ -326,13 +326,30 @@ impl StreamRuntime for CudaRuntime {
         }
         let bytes = n * out.dtype.size();
         ctx.note_stream();
-        let in_place = crate::runtime::first_input_reusable::<Self>(&inputs, out)
+        // Add, Mul, Scale and Exp have in-place variants: they write their handed-over first
+        // input when it may be reused and was allocated on this stream (see the module docs).
+        let in_place = matches!(
+            kernel,
+            Kernel::Add | Kernel::Mul | Kernel::Scale(_) | Kernel::Exp
+        ) && crate::runtime::first_input_reusable::<Self>(&inputs, out)
             && inputs[0].handle.handle.stream == StreamId::current();
-        let handle = |i: usize| &inputs[i].handle.handle;
-        let len = |i: usize| inputs[i].ir.shape.num_elements();
+        let target = if in_place {
+            inputs[0].handle.handle.clone()
+        } else {
+            empty(client, bytes)
+        };
+        let input = |i: usize| array(&inputs[i].handle.handle, inputs[i].ir.shape.num_elements());
+        let o = || array(&target, n);
+        // `launch!(name::<generics>; args)`: the kernel over `n` elements, one thread each.
+        macro_rules! launch {
+            ($name:ident $(::<$($g:ty),*>)?; $($arg:expr),* $(,)?) => {
+                kernels::$name::launch::<$($($g,)*)? CubeCuda>(client, cubes(n), dim(), $($arg),*)
+            };
+        }
+        // `numeric!(|T| body)`: the body with `T` the output's element type (f32 or i32).
         macro_rules! numeric {
-            ($dtype:expr, |$t:ident| $body:expr) => {
-                match $dtype {
+            (|$t:ident| $body:expr) => {
+                match out.dtype {
                     DType::F32 => {
                         type $t = f32;
                         $body
@@ -351,156 +368,32 @@ impl StreamRuntime for CudaRuntime {
             };
         }
 
-        let target = match kernel {
-            Kernel::Add | Kernel::Mul if in_place => {
-                let target = handle(0).clone();
-                numeric!(out.dtype, |T| {
-                    let (lhs, rhs) = (array(&target, n), array(handle(1), len(1)));
-                    if matches!(kernel, Kernel::Add) {
-                        kernels::add_in_place_kernel::launch::<T, CubeCuda>(
-                            client,
-                            cubes(n),
-                            dim(),
-                            lhs,
-                            rhs,
-                        )
-                    } else {
-                        kernels::mul_in_place_kernel::launch::<T, CubeCuda>(
-                            client,
-                            cubes(n),
-                            dim(),
-                            lhs,
-                            rhs,
-                        )
-                    }
-                });
-                target
+        // The launch table: one row per kernel and placement.
+        match (kernel, in_place) {
+            (Kernel::Add, true) => numeric!(|T| launch!(add_in_place_kernel::<T>; o(), input(1))),
+            (Kernel::Add, false) => numeric!(|T| launch!(add_kernel::<T>; input(0), input(1), o())),
+            (Kernel::Mul, true) => numeric!(|T| launch!(mul_in_place_kernel::<T>; o(), input(1))),
+            (Kernel::Mul, false) => numeric!(|T| launch!(mul_kernel::<T>; input(0), input(1), o())),
+            (Kernel::Scale(f), true) => launch!(scale_in_place_kernel; o(), *f as f32),
+            (Kernel::Scale(f), false) => launch!(scale_kernel; input(0), o(), *f as f32),
+            (Kernel::Exp, true) => launch!(exp_in_place_kernel; o()),
+            (Kernel::Exp, false) => launch!(exp_kernel; input(0), o()),
+            // One thread sums in the host runtime's order, so results agree bit for bit.
+            (Kernel::Sum, _) => numeric!(|T| kernels::sum_kernel::launch::<T, CubeCuda>(
+                client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(1),
+                input(0),
+                array(&target, 1),
+            )),
+            (Kernel::Matmul, _) => {
+                let (k, cols) = (inputs[0].ir.shape[1] as u32, out.shape[1] as u32);
+                launch!(matmul_kernel; input(0), input(1), o(), k, cols)
             }
-            Kernel::Add | Kernel::Mul => {
-                let target = empty(client, bytes);
-                numeric!(out.dtype, |T| {
-                    let (lhs, rhs, o) = (
-                        array(handle(0), len(0)),
-                        array(handle(1), len(1)),
-                        array(&target, n),
-                    );
-                    if matches!(kernel, Kernel::Add) {
-                        kernels::add_kernel::launch::<T, CubeCuda>(
-                            client,
-                            cubes(n),
-                            dim(),
-                            lhs,
-                            rhs,
-                            o,
-                        )
-                    } else {
-                        kernels::mul_kernel::launch::<T, CubeCuda>(
-                            client,
-                            cubes(n),
-                            dim(),
-                            lhs,
-                            rhs,
-                            o,
-                        )
-                    }
-                });
-                target
-            }
-            Kernel::Scale(factor) if in_place => {
-                let target = handle(0).clone();
-                kernels::scale_in_place_kernel::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(&target, n),
-                    *factor as f32,
-                );
-                target
-            }
-            Kernel::Scale(factor) => {
-                let target = empty(client, bytes);
-                kernels::scale_kernel::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(handle(0), len(0)),
-                    array(&target, n),
-                    *factor as f32,
-                );
-                target
-            }
-            Kernel::Exp if in_place => {
-                let target = handle(0).clone();
-                kernels::exp_in_place_kernel::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(&target, n),
-                );
-                target
-            }
-            Kernel::Exp => {
-                let target = empty(client, bytes);
-                kernels::exp_kernel::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(handle(0), len(0)),
-                    array(&target, n),
-                );
-                target
-            }
-            Kernel::Sum => {
-                let target = empty(client, bytes);
-                numeric!(out.dtype, |T| kernels::sum_kernel::launch::<T, CubeCuda>(
-                    client,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(1),
-                    array(handle(0), len(0)),
-                    array(&target, 1),
-                ));
-                target
-            }
-            Kernel::Matmul => {
-                let target = empty(client, bytes);
-                let k = inputs[0].ir.shape[1] as u32;
-                let cols = out.shape[1] as u32;
-                kernels::matmul_kernel::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(handle(0), len(0)),
-                    array(handle(1), len(1)),
-                    array(&target, n),
-                    k,
-                    cols,
-                );
-                target
-            }
-            Kernel::Fill(value) => {
-                let target = empty(client, bytes);
-                numeric!(out.dtype, |T| kernels::fill_kernel::launch::<T, CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(&target, n),
-                    *value as f32,
-                ));
-                target
-            }
+            (Kernel::Fill(value), _) => numeric!(|T| launch!(fill_kernel::<T>; o(), *value as f32)),
             #[cfg(feature = "testing")]
-            Kernel::FailOnDevice => {
-                let target = empty(client, bytes);
-                kernels::exp::launch::<CubeCuda>(
-                    client,
-                    cubes(n),
-                    dim(),
-                    array(handle(0), len(0)),
-                    array(&target, n),
-                );
-                target
-            }
-        };
+            (Kernel::FailOnDevice, _) => launch!(exp; input(0), o()),
+        }
         Ok(CudaHandle { handle: target })
     }
 }

@@ -30,19 +30,18 @@ fn copy_into(data: &HostData, dst: &mut [u8]) -> Result<()> {
             chunk.copy_from_slice(&bytes(*value));
         }
     }
-    let (needed, dtype) = match data {
-        HostData::F32(v) => (v.len() * 4, "f32"),
-        HostData::I32(v) => (v.len() * 4, "i32"),
-        HostData::Unwritten => (0, "unwritten"),
+    let needed = match data {
+        HostData::F32(v) => v.len() * 4,
+        HostData::I32(v) => v.len() * 4,
+        HostData::Unwritten => 0,
     };
-    if needed != dst.len() {
-        return Err(Error::Runtime(
-            format!(
-                "copy of a {needed}-byte {dtype} buffer into {} bytes",
-                dst.len()
-            )
-            .into(),
-        ));
+    // The copy never reads past the source (`TransferRuntime::download`'s one bound; the
+    // publication has already checked that the buffer holds exactly the value).
+    if dst.len() > needed {
+        return Err(Error::BufferSize {
+            expected: needed,
+            found: dst.len(),
+        });
     }
     match data {
         HostData::F32(v) => write(v, dst, f32::to_ne_bytes),
@@ -54,6 +53,8 @@ fn copy_into(data: &HostData, dst: &mut [u8]) -> Result<()> {
 
 impl TransferRuntime for HostRuntime {
     type Event = HostEvent;
+    /// The buffer itself: a host handle is its storage and its last write's marker.
+    type Source = HostHandle;
 
     fn publishable(dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::I32)
@@ -62,8 +63,8 @@ impl TransferRuntime for HostRuntime {
     fn record_frontier(
         context: &HostContext,
         stream: StreamId,
-        handle: &HostHandle,
-    ) -> Result<HostEvent> {
+        handle: HostHandle,
+    ) -> Result<(HostHandle, HostEvent)> {
         let frontier = Marker::pending();
         let (done, written) = (frontier.clone(), handle.written.clone());
         // Behind everything dispatched to the stream so far; and after the value's last write,
@@ -72,23 +73,16 @@ impl TransferRuntime for HostRuntime {
             stream.value,
             Box::new(move || done.complete(written.wait())),
         );
-        Ok(HostEvent(frontier))
+        Ok((handle, HostEvent(frontier)))
     }
 
-    fn download(
+    unsafe fn download(
         context: &HostContext,
         stream: StreamId,
         handle: &HostHandle,
         frontier: &HostEvent,
         buffer: &PinnedHostBuffer,
-        bytes: usize,
     ) -> Result<HostEvent> {
-        if bytes != buffer.len() {
-            return Err(Error::BufferSize {
-                expected: bytes,
-                found: buffer.len(),
-            });
-        }
         let completion = Marker::pending();
         let done = completion.clone();
         let frontier = frontier.0.clone();
