@@ -21,5 +21,6 @@
 #[cfg(feature = "testing")]
 pub use crate::runtime::host::StreamPause;
 pub use crate::runtime::host::{
-    HostContext, HostDevice, HostEvent, HostHandle, HostRuntime, HostStats, Unfused,
+    HostContext, HostDevice, HostEvent, HostHandle, HostRuntime, HostSlice, HostStats, HostValues,
+    Unfused,
 };

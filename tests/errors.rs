@@ -243,3 +243,80 @@ fn a_burn_ir_that_names_other_tensors_is_rejected_with_operands_back() {
     assert_eq!(values(&rejected.returned[0]), vec![1.0]);
     assert_eq!(c.stats().ops_registered, 0);
 }
+
+/// A host custom op built on `HostContext::dispatch`: the kernel runs on the stream's worker, not
+/// in the executor, so registering and executing the op never waits for data; its error or panic
+/// is the output's error, and an input's failure reaches the output without running it.
+#[test]
+fn a_dispatched_host_kernel_runs_on_the_worker_and_reports_on_its_output() {
+    use fusion_streams::host::{HostSlice, HostValues};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let c = client();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let dispatched = |input: &Tensor, behaviour: &'static str| {
+        let (context, runs) = (c.context().clone(), runs.clone());
+        c.op(behaviour)
+            .read(input)
+            .output([2], DType::F32)
+            .execute(move |op: &CustomOpIr, handles: &mut Handles| {
+                let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+                let runs = runs.clone();
+                let out = context.dispatch(behaviour, &[&input], move |inputs| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    match (behaviour, inputs[0]) {
+                        ("fails", _) => Err(Error::operation("fails", "injected")),
+                        ("panics", _) => panic!("injected"),
+                        (_, HostSlice::F32(v)) => {
+                            Ok(HostValues::F32(v.iter().map(|x| x + 1.0).collect()))
+                        }
+                        (_, other) => Err(Error::operation("plus_one", format!("{other:?}"))),
+                    }
+                });
+                handles.register_handle(op.outputs[0].id, out);
+                Ok(())
+            })
+            .unwrap()
+            .remove(0)
+    };
+
+    // Asynchronous: with the stream's worker held, the op registers and executes (a sync of the
+    // engine's queue), and the kernel has not run.
+    let x = f32s(&c, &[1.0, 2.0]);
+    let pause = c.context().pause(burn_backend::StreamId::current());
+    let y = dispatched(&x, "plus_one");
+    c.streams().drain_all();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "ran while the worker was held"
+    );
+    drop(pause);
+    assert_eq!(values(&y), vec![2.0, 3.0]);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Errors and panics of the kernel land on its output.
+    let failed = dispatched(&x, "fails").read().unwrap_err();
+    assert!(
+        matches!(failed.root(), Error::OperationFailed { op, .. } if &**op == "fails"),
+        "{failed:?}"
+    );
+    let panicked = dispatched(&x, "panics").read().unwrap_err();
+    assert!(
+        matches!(panicked, Error::KernelFailed { ref kernel, .. } if &**kernel == "panics"),
+        "{panicked:?}"
+    );
+
+    // A failed input: the kernel does not run, and the output carries the input's failure.
+    let before = runs.load(Ordering::SeqCst);
+    let bad = c.fail_on_device(&x).unwrap();
+    let downstream = dispatched(&bad, "plus_one").read().unwrap_err();
+    assert!(
+        matches!(downstream.root(), Error::KernelFailed { .. }),
+        "{downstream:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), before, "ran on a failed input");
+    drop((x, y, bad));
+    assert_nothing_held(&c);
+}

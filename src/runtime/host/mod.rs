@@ -147,6 +147,26 @@ impl fmt::Debug for HostHandle {
     }
 }
 
+/// A buffer's contents as a kernel dispatched with [`HostContext::dispatch`] reads them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum HostSlice<'a> {
+    /// 32-bit floats.
+    F32(&'a [f32]),
+    /// 32-bit integers.
+    I32(&'a [i32]),
+}
+
+/// The contents a kernel dispatched with [`HostContext::dispatch`] writes to its output.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum HostValues {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// 32-bit integers.
+    I32(Vec<i32>),
+}
+
 /// Per-client state of a host device: its stream workers and counters.
 pub struct HostContext {
     device: HostDevice,
@@ -158,6 +178,111 @@ pub struct HostContext {
 }
 
 impl HostContext {
+    /// Run `body` on the current stream's worker once every marker in `deps` has completed, then
+    /// complete `written` with its outcome (a dependency's failure, or a panic, included).
+    fn spawn(
+        &self,
+        name: &'static str,
+        deps: SmallVec<[Arc<Marker>; 2]>,
+        written: Arc<Marker>,
+        body: impl FnOnce() -> Result<()> + Send + 'static,
+    ) {
+        let counters = self.counters.clone();
+        counters.kernels_dispatched.fetch_add(1, Ordering::Relaxed);
+        self.workers.dispatch(
+            StreamId::current().value,
+            Box::new(move || {
+                let run = || -> Result<()> {
+                    for dep in &deps {
+                        dep.wait()?;
+                    }
+                    body()
+                };
+                let outcome = catch_unwind(AssertUnwindSafe(run))
+                    .unwrap_or_else(|payload| Err(Error::from_kernel_panic(name, payload)));
+                if outcome.is_err() {
+                    counters.kernels_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                counters.kernels_completed.fetch_add(1, Ordering::Relaxed);
+                written.complete(outcome);
+            }),
+        );
+    }
+
+    /// Dispatch a custom kernel on the current stream's worker, and return the handle of its
+    /// output at once. Nothing here waits: this is how a custom executor on the host runtime
+    /// reads and writes data.
+    ///
+    /// `kernel` runs on the worker after the last write of every input, with their contents; what
+    /// it returns becomes the output buffer's contents. If an input's write failed, the kernel
+    /// does not run and the output carries that error; an error or a panic of the kernel is the
+    /// output's error too, reported by whatever reads it. The inputs stay alive (and are not
+    /// written in place by anyone) until the kernel has run.
+    ///
+    /// A custom executor captures the context (`client.context().clone()`: it holds the device,
+    /// not the engine):
+    ///
+    /// ```
+    /// use burn_backend::{DType, TensorData};
+    /// use burn_ir::{CustomOpIr, HandleContainer};
+    /// use fusion_streams::FusionClient;
+    /// use fusion_streams::host::{HostDevice, HostHandle, HostRuntime, HostSlice, HostValues};
+    ///
+    /// let client = FusionClient::<HostRuntime>::new(HostDevice::default())?;
+    /// let x = client.from_data(TensorData::new(vec![1.0f32, -2.0, 3.0], [3]))?;
+    /// let context = client.context().clone();
+    /// let relu = client
+    ///     .op("relu")
+    ///     .read(&x)
+    ///     .output([3], DType::F32)
+    ///     .execute(move |op: &CustomOpIr, handles: &mut HandleContainer<HostHandle>| {
+    ///         let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+    ///         let out = context.dispatch("relu", &[&input], |inputs| match inputs[0] {
+    ///             HostSlice::F32(v) => Ok(HostValues::F32(v.iter().map(|x| x.max(0.0)).collect())),
+    ///             other => Err(fusion_streams::Error::operation("relu", format!("{other:?}"))),
+    ///         });
+    ///         handles.register_handle(op.outputs[0].id, out);
+    ///         Ok(())
+    ///     })?
+    ///     .remove(0);
+    /// assert_eq!(relu.to_vec::<f32>()?, vec![1.0, 0.0, 3.0]);
+    /// # Ok::<(), fusion_streams::Error>(())
+    /// ```
+    pub fn dispatch<F>(&self, name: &'static str, inputs: &[&HostHandle], kernel: F) -> HostHandle
+    where
+        F: FnOnce(&[HostSlice<'_>]) -> Result<HostValues> + Send + 'static,
+    {
+        let deps = inputs.iter().map(|h| h.written.clone()).collect();
+        let sources: SmallVec<[Arc<HostStorage>; 2]> =
+            inputs.iter().map(|h| h.storage.clone()).collect();
+        let target = HostStorage::new(HostData::Unwritten, &self.counters);
+        let written = Marker::pending();
+        let handle = HostHandle {
+            storage: target.clone(),
+            written: written.clone(),
+        };
+        self.spawn(name, deps, written, move || {
+            let guards: SmallVec<[_; 2]> = sources.iter().map(|s| s.data.read()).collect();
+            let slices = guards
+                .iter()
+                .map(|data| match &**data {
+                    HostData::F32(v) => Ok(HostSlice::F32(v)),
+                    HostData::I32(v) => Ok(HostSlice::I32(v)),
+                    HostData::Unwritten => Err(Error::Runtime(
+                        format!("`{name}` read a buffer that was never written").into(),
+                    )),
+                })
+                .collect::<Result<SmallVec<[_; 2]>>>()?;
+            let values = kernel(&slices)?;
+            *target.data.write() = match values {
+                HostValues::F32(v) => HostData::F32(v),
+                HostValues::I32(v) => HostData::I32(v),
+            };
+            Ok(())
+        });
+        handle
+    }
+
     /// The device.
     pub fn device(&self) -> &HostDevice {
         &self.device
@@ -390,41 +515,20 @@ impl StreamRuntime for HostRuntime {
 
         let kernel = *kernel;
         let (shape, dtype) = (out.shape.clone(), out.dtype);
-        let counters = ctx.counters.clone();
-        counters.kernels_dispatched.fetch_add(1, Ordering::Relaxed);
-        ctx.workers.dispatch(
-            StreamId::current().value,
-            Box::new(move || {
-                let run = || -> Result<()> {
-                    for dep in &deps {
-                        dep.wait()?;
-                    }
-                    if reuse {
-                        let rest: SmallVec<[_; 2]> =
-                            sources[1..].iter().map(|s| s.data.read()).collect();
-                        let rest: SmallVec<[&HostData; 2]> = rest.iter().map(|g| &**g).collect();
-                        let mut data = target.data.write();
-                        let first = std::mem::replace(&mut *data, HostData::Unwritten);
-                        *data = kernels::compute_in_place(&kernel, first, &rest, &shape, dtype)?;
-                    } else {
-                        let guards: SmallVec<[_; 2]> =
-                            sources.iter().map(|s| s.data.read()).collect();
-                        let refs: SmallVec<[&HostData; 2]> = guards.iter().map(|g| &**g).collect();
-                        let result = kernels::compute(&kernel, &refs, &shape, dtype)?;
-                        *target.data.write() = result;
-                    }
-                    Ok(())
-                };
-                let outcome = catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|payload| {
-                    Err(Error::from_kernel_panic(kernel.name(), payload))
-                });
-                if outcome.is_err() {
-                    counters.kernels_failed.fetch_add(1, Ordering::Relaxed);
-                }
-                counters.kernels_completed.fetch_add(1, Ordering::Relaxed);
-                written.complete(outcome);
-            }),
-        );
+        ctx.spawn(kernel.name(), deps, written, move || {
+            if reuse {
+                let rest: SmallVec<[_; 2]> = sources[1..].iter().map(|s| s.data.read()).collect();
+                let rest: SmallVec<[&HostData; 2]> = rest.iter().map(|g| &**g).collect();
+                let mut data = target.data.write();
+                let first = std::mem::replace(&mut *data, HostData::Unwritten);
+                *data = kernels::compute_in_place(&kernel, first, &rest, &shape, dtype)?;
+            } else {
+                let guards: SmallVec<[_; 2]> = sources.iter().map(|s| s.data.read()).collect();
+                let refs: SmallVec<[&HostData; 2]> = guards.iter().map(|g| &**g).collect();
+                *target.data.write() = kernels::compute(&kernel, &refs, &shape, dtype)?;
+            }
+            Ok(())
+        });
         Ok(handle)
     }
 }
