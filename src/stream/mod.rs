@@ -531,32 +531,40 @@ impl<R: StreamRuntime> MultiStream<R> {
         home: &Arc<StreamCell<R>>,
         id: TensorId,
     ) -> Result<Entry<R::FusionHandle>> {
-        if in_engine() {
-            return Err(Error::Reentrant {
-                what: "FusionTensor::read",
-            });
-        }
-        let (state, _) = self.lock_materialised(home, &id);
-        Ok(state.entry(&id, "read"))
+        self.entry_for_read(home, id, false)
     }
 
-    /// Mark a tensor as read by its last live owner: drains if needed, returns a second owner of
-    /// its handle for the read, and releases the id in the same critical section — exactly as its
-    /// last drop would (see `StreamState::release`), because operations still pending on the
-    /// home stream may read it. Its `shared_sources` entry goes at once.
+    /// Mark a tensor as read by its last live owner: as [`MultiStream::read_entry`], and the id
+    /// is released in the same critical section — exactly as its last drop would (see
+    /// `StreamState::release`), because operations still pending on the home stream may read
+    /// it. Its `shared_sources` entry goes at once.
     pub(crate) fn mark_read(
         &self,
         home: &Arc<StreamCell<R>>,
         id: TensorId,
     ) -> Result<Entry<R::FusionHandle>> {
+        self.entry_for_read(home, id, true)
+    }
+
+    fn entry_for_read(
+        &self,
+        home: &Arc<StreamCell<R>>,
+        id: TensorId,
+        release: bool,
+    ) -> Result<Entry<R::FusionHandle>> {
         if in_engine() {
-            return Err(Error::Reentrant {
-                what: "FusionTensor::into_data",
-            });
+            let what = if release {
+                "FusionTensor::into_data"
+            } else {
+                "FusionTensor::read"
+            };
+            return Err(Error::Reentrant { what });
         }
         let (mut state, _) = self.lock_materialised(home, &id);
         let entry = state.entry(&id, "read");
-        state.release(id);
+        if release {
+            state.release(id);
+        }
         Ok(entry)
     }
 
