@@ -118,6 +118,10 @@ fn generated_programs_exercise_every_kind_of_check() {
         total.deferred_frees > 10 && total.deferred_flushes > 0 && total.in_place_reuses > 50,
         "deferred frees, service-thread flushes and in-place chains: {total:?}"
     );
+    assert!(
+        total.fused_kernels > 50 && total.ops_fused > 2 * total.fused_kernels,
+        "fused runs: {total:?}"
+    );
 }
 
 /// The fuzz target's seed corpus (and the decoder it goes through) runs against the model.

@@ -14,11 +14,13 @@ use crate::Result;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod fusion;
 pub(crate) mod host;
 mod pinned;
 mod retirement;
 mod transfer;
 
+pub use fusion::Fuser;
 pub use pinned::PinnedHostBuffer;
 #[cfg(feature = "cuda")]
 pub(crate) use pinned::PinnedMemory;
@@ -170,6 +172,13 @@ pub trait StreamRuntime: FusionRuntime {
 
     /// Whether the runtime implements `kernel` for `dtype`.
     fn supports(kernel: &Kernel, dtype: DType) -> bool;
+
+    /// A kernel fuser for one of this runtime's streams, or `None` if the runtime does not fuse
+    /// (the default). Called when a stream is created, when [`crate::EngineConfig::fusion`] is
+    /// on.
+    fn fuser(_ctx: &Self::Context) -> Option<Box<dyn Fuser<Self>>> {
+        None
+    }
 
     /// Dispatch `kernel` on the current stream ([`burn_backend::StreamId::current`]) and return the
     /// output handle without waiting for it.

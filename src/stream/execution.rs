@@ -21,15 +21,18 @@
 //! Nothing is reported to the caller of `drain`: errors wait on the data for the read that needs
 //! it.
 
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use burn_ir::{TensorIr, TensorStatus};
+use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
+use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
 
 use super::state::StreamState;
 use crate::Error;
 use crate::operation::OpBody;
 use crate::operation::QueuedOp;
-use crate::runtime::StreamRuntime;
+use crate::runtime::{Fuser, StreamRuntime};
 
 impl<R: StreamRuntime> StreamState<R> {
     /// Execute every queued operation in order, on this stream, then apply deferred frees.
@@ -38,14 +41,14 @@ impl<R: StreamRuntime> StreamState<R> {
             let mut ops = std::mem::take(&mut self.queue);
             // Device work dispatched by the executors must land on this stream even when another
             // thread is draining it (to share or read one of its tensors).
-            self.id.executes(|| {
-                for op in ops.drain(..) {
-                    match op {
-                        QueuedOp::Drop(id) => self.free(id),
-                        QueuedOp::Op(op) => {
-                            self.execute_one(&*op);
-                            self.dispose(op);
-                        }
+            self.id.executes(|| match self.fuser.take() {
+                Some(mut fuser) => {
+                    self.execute_fusing(&mut ops, &mut *fuser);
+                    self.fuser = Some(fuser);
+                }
+                None => {
+                    for op in ops.drain(..) {
+                        self.execute_entry(op);
                     }
                 }
             });
@@ -56,6 +59,142 @@ impl<R: StreamRuntime> StreamState<R> {
         }
         for id in std::mem::take(&mut self.deferred_frees) {
             self.free(id);
+        }
+    }
+
+    fn execute_entry(&mut self, entry: QueuedOp<R>) {
+        match entry {
+            QueuedOp::Drop(id) => self.free(id),
+            QueuedOp::Op(op) => {
+                self.execute_one(&*op);
+                self.dispose(op);
+            }
+        }
+    }
+
+    /// Execute the queue through `fuser`: each run it covers (two operations or more) as one
+    /// fused execution, everything else operation by operation (see [`crate::runtime::Fuser`]).
+    fn execute_fusing(&mut self, ops: &mut Vec<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
+        let mut pending: VecDeque<QueuedOp<R>> = ops.drain(..).collect();
+        while !pending.is_empty() {
+            match self.plan_run(&pending, fuser) {
+                Some(end) => {
+                    let run: SmallVec<[QueuedOp<R>; 16]> = pending.drain(..end).collect();
+                    self.execute_run(run, fuser);
+                }
+                None => {
+                    let entry = pending.pop_front().expect("not empty");
+                    self.execute_entry(entry);
+                }
+            }
+        }
+    }
+
+    /// Offer `pending` to a reset `fuser` from the front; the number of entries the run it
+    /// covers spans, if it covers two operations or more.
+    fn plan_run(&self, pending: &VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) -> Option<usize> {
+        fuser.reset();
+        // The tensors the offered operations read or produce, for the IR of their drops.
+        let mut seen: HashMap<TensorId, TensorIr> = HashMap::new();
+        // Where each offered entry is in `pending`, and whether it is an operation.
+        let mut offered: SmallVec<[(usize, bool); 16]> = SmallVec::new();
+        for (index, entry) in pending.iter().enumerate() {
+            match entry {
+                QueuedOp::Drop(id) => {
+                    // A drop of a tensor the run never touched is not the fuser's concern: it
+                    // is freed with the run (nothing after it may use the id).
+                    let Some(ir) = seen.get(id) else { continue };
+                    let dropped = TensorIr {
+                        status: TensorStatus::ReadWrite,
+                        ..ir.clone()
+                    };
+                    if !fuser.offer(&OperationIr::Drop(dropped), &self.handles) {
+                        break;
+                    }
+                    offered.push((index, false));
+                }
+                QueuedOp::Op(op) => {
+                    // An input with an error record (or no handle) ends the run: the operation
+                    // runs alone, so the error travels per tensor.
+                    let failed = op
+                        .inputs()
+                        .into_iter()
+                        .any(|i| !seen.contains_key(&i.id) && !self.handles.has_handle(&i.id));
+                    if failed || !fuser.offer(&op.repr(), &self.handles) {
+                        break;
+                    }
+                    for ir in op.inputs().into_iter().chain(op.outputs()) {
+                        seen.insert(ir.id, ir.clone());
+                    }
+                    offered.push((index, true));
+                }
+            }
+        }
+        let covered = fuser.covered().min(offered.len());
+        let ops = offered[..covered].iter().filter(|(_, op)| *op).count();
+        (ops >= 2).then(|| offered[covered - 1].0 + 1)
+    }
+
+    /// Execute a planned run: the fused kernels in one error scope, then each entry's
+    /// bookkeeping in queue order.
+    fn execute_run(&mut self, run: SmallVec<[QueuedOp<R>; 16]>, fuser: &mut dyn Fuser<R>) {
+        let (handles, context) = (&mut self.handles, &*self.context);
+        let outcome = catch_unwind(AssertUnwindSafe(|| fuser.execute(handles, context)));
+        let failure = match outcome {
+            Ok(Ok(kernels)) => {
+                self.counters.fused_kernels += kernels as u64;
+                None
+            }
+            Ok(Err(error)) => Some(error),
+            Err(payload) => Some(Error::from_panic("fused kernel", payload)),
+        };
+        if let Some(error) = &failure {
+            tracing::debug!(stream = %self.id, %error, ops = run.len(), "fused kernel failed");
+        }
+        // Outputs that are consumed or dropped inside the run need not have been written.
+        let gone: HashSet<TensorId> = run
+            .iter()
+            .flat_map(|entry| match entry {
+                QueuedOp::Drop(id) => SmallVec::<[TensorId; 2]>::from_slice(&[*id]),
+                QueuedOp::Op(op) => op
+                    .inputs()
+                    .into_iter()
+                    .filter(|i| i.status == TensorStatus::ReadWrite)
+                    .map(|i| i.id)
+                    .collect(),
+            })
+            .collect();
+        for entry in run {
+            let op = match entry {
+                QueuedOp::Drop(id) => {
+                    self.free(id);
+                    continue;
+                }
+                QueuedOp::Op(op) => op,
+            };
+            self.counters.ops_executed += 1;
+            self.counters.ops_fused += 1;
+            match &failure {
+                Some(error) => {
+                    self.counters.ops_failed += 1;
+                    self.record_failure(op.outputs(), error.clone());
+                }
+                None => {
+                    for out in op.outputs() {
+                        if !self.handles.has_handle(&out.id) && !gone.contains(&out.id) {
+                            self.errors.insert(
+                                out.id,
+                                Error::OutputNotWritten {
+                                    op: op.name().into(),
+                                    id: out.id,
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+            self.consume_inputs(&*op);
+            self.dispose(op);
         }
     }
 

@@ -36,6 +36,9 @@ pub struct EngineConfig {
     /// itself: the bound on how long an idle home thread can hold a dropped buffer, plus the
     /// service thread's scheduling latency. Default 10 ms.
     pub max_deferred_free_delay: Duration,
+    /// Whether streams fuse their queued operations into fewer kernels where the runtime can
+    /// (see [`crate::runtime::Fuser`]). Default on; a runtime that does not fuse ignores it.
+    pub fusion: bool,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
         Self {
             max_queue_len: 32,
             max_deferred_free_delay: Duration::from_millis(10),
+            fusion: true,
         }
     }
 }
@@ -51,6 +55,12 @@ impl EngineConfig {
     /// Settings with the given queue bound (clamped to at least 1).
     pub fn with_max_queue_len(mut self, max_queue_len: usize) -> Self {
         self.max_queue_len = max_queue_len.max(1);
+        self
+    }
+
+    /// Settings with fusion on or off (see [`EngineConfig::fusion`]).
+    pub fn with_fusion(mut self, fusion: bool) -> Self {
+        self.fusion = fusion;
         self
     }
 
@@ -111,6 +121,10 @@ pub struct EngineStats {
     /// Pending segments the service thread ran because a deferred free reached
     /// [`EngineConfig::max_deferred_free_delay`] with its home thread idle.
     pub deferred_flushes: u64,
+    /// Fused kernels launched (each covers a run of queued operations).
+    pub fused_kernels: u64,
+    /// Operations executed inside fused kernels (counted in `ops_executed` too).
+    pub ops_fused: u64,
     /// Streams left out of this snapshot because it was taken from inside an executing
     /// operation while their lock was held (always 0 outside the engine).
     pub streams_skipped: usize,
@@ -132,6 +146,8 @@ impl EngineStats {
         self.deferred_frees += c.deferred_frees;
         self.frees += c.frees;
         self.deferred_flushes += c.deferred_flushes;
+        self.fused_kernels += c.fused_kernels;
+        self.ops_fused += c.ops_fused;
     }
 
     /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.

@@ -37,6 +37,8 @@ pub(crate) struct StreamCounters {
     pub(crate) deferred_frees: u64,
     pub(crate) frees: u64,
     pub(crate) deferred_flushes: u64,
+    pub(crate) fused_kernels: u64,
+    pub(crate) ops_fused: u64,
 }
 
 impl StreamCounters {
@@ -55,6 +57,8 @@ impl StreamCounters {
         self.deferred_frees += other.deferred_frees;
         self.frees += other.frees;
         self.deferred_flushes += other.deferred_flushes;
+        self.fused_kernels += other.fused_kernels;
+        self.ops_fused += other.ops_fused;
     }
 }
 
@@ -72,6 +76,8 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) max_queue_len: usize,
     pub(crate) max_deferred_free_delay: Duration,
     pub(crate) queue: Vec<QueuedOp<R>>,
+    /// The runtime's kernel fuser for this stream, if it fuses and fusion is on.
+    pub(crate) fuser: Option<Box<dyn crate::runtime::Fuser<R>>>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
     pub(crate) handles: HandleContainer<R::FusionHandle>,
     /// Error records: tensors whose producer failed. Disjoint from `handles`.
@@ -101,10 +107,16 @@ impl<R: StreamRuntime> StreamState<R> {
         config: crate::EngineConfig,
         context: Arc<R::Context>,
     ) -> Self {
+        let fuser = if config.fusion {
+            R::fuser(&context)
+        } else {
+            None
+        };
         Self {
             id,
             serial,
             engine,
+            fuser,
             context,
             max_queue_len: config.max_queue_len,
             max_deferred_free_delay: config.max_deferred_free_delay,

@@ -69,6 +69,9 @@ pub struct RunReport {
     pub deferred_frees: u64,
     /// Kernels that wrote their first input's buffer in place.
     pub in_place_reuses: u64,
+    /// Fused runs, and the operations they covered (on the fusing half of the programs).
+    pub fused_kernels: u64,
+    pub ops_fused: u64,
 }
 
 impl std::ops::AddAssign for RunReport {
@@ -82,13 +85,20 @@ impl std::ops::AddAssign for RunReport {
         self.deferred_flushes += r.deferred_flushes;
         self.deferred_frees += r.deferred_frees;
         self.in_place_reuses += r.in_place_reuses;
+        self.fused_kernels += r.fused_kernels;
+        self.ops_fused += r.ops_fused;
     }
 }
 
 /// Run `program` on a fresh engine over [`THREADS`] threads and check it against the model.
 pub fn run_program(program: &Program) -> Result<RunReport, String> {
     let client = fusion_streams::FusionClient::with_config(
-        fusion_streams::host::HostDevice::default(),
+        // Half the programs run on a fusing device: fused runs must agree with the model too.
+        if program.schedule & 2 == 0 {
+            fusion_streams::host::HostDevice::default()
+        } else {
+            fusion_streams::host::HostDevice::default().fusing()
+        },
         lazy_config().with_max_deferred_free_delay(DEFERRED_FREE_DELAY),
     )
     .expect("host device");
@@ -226,6 +236,8 @@ pub fn run_program(program: &Program) -> Result<RunReport, String> {
         deferred_flushes: stats.deferred_flushes,
         deferred_frees: stats.deferred_frees,
         in_place_reuses: device.in_place_reuses,
+        fused_kernels: stats.fused_kernels,
+        ops_fused: stats.ops_fused,
         ..reference.counts
     })
 }

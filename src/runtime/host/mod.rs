@@ -1,5 +1,6 @@
 //! The embedded host runtime; its public face, with the design notes, is [`crate::host`].
 
+mod fusion;
 mod kernels;
 pub(crate) mod marker;
 mod transfer;
@@ -38,20 +39,31 @@ const HOST_DEVICE_TYPE: u16 = 0x4853; // "HS"
 pub struct HostDevice {
     /// Device index, for logs and for telling devices apart.
     pub index: u16,
+    fusion: bool,
 }
 
 impl HostDevice {
     /// The host device with this index.
     pub fn new(index: u16) -> Self {
-        Self { index }
+        Self {
+            index,
+            fusion: false,
+        }
+    }
+
+    /// This device, fusing: runs of elementwise `f32` built-ins over tensors of one length
+    /// execute as one job per run (bit for bit the unfused results, never in place), when the
+    /// engine's [`crate::EngineConfig::fusion`] is on. Off by default, so that the host device
+    /// keeps modelling one kernel per operation.
+    pub fn fusing(mut self) -> Self {
+        self.fusion = true;
+        self
     }
 }
 
 impl burn_backend::Device for HostDevice {
     fn from_id(device_id: DeviceId) -> Self {
-        Self {
-            index: device_id.index_id,
-        }
+        Self::new(device_id.index_id)
     }
 
     fn to_id(&self) -> DeviceId {
@@ -485,6 +497,12 @@ impl StreamRuntime for HostRuntime {
 
     fn supports(kernel: &Kernel, dtype: DType) -> bool {
         kernels::supports(kernel, dtype)
+    }
+
+    fn fuser(ctx: &HostContext) -> Option<Box<dyn crate::runtime::Fuser<Self>>> {
+        ctx.device
+            .fusion
+            .then(|| Box::new(fusion::HostFuser::default()) as Box<dyn crate::runtime::Fuser<Self>>)
     }
 
     fn launch(

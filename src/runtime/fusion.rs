@@ -1,0 +1,51 @@
+//! Kernel fusion: the contract between the engine and a runtime that fuses ([`Fuser`]).
+
+use burn_ir::{HandleContainer, OperationIr};
+
+use super::StreamRuntime;
+use crate::Result;
+
+/// A runtime's kernel fuser for one stream.
+///
+/// When a stream drains, the engine offers its queued operations to the stream's [`Fuser`] in
+/// order, as burn IR, until one is refused; the fuser says how many of them (a prefix) one fused
+/// execution covers, and the engine runs that prefix through [`Fuser::execute`] inside one error
+/// scope, then offers the rest again. Runs the fuser does not cover (or that cover fewer than two
+/// operations) execute operation by operation, as without fusion.
+///
+/// The engine keeps the rules fusion must not break:
+///
+/// * **Error scopes.** An operation with an input that carries an error record (or has no
+///   handle) ends the run before it, and executes alone, so errors still travel per tensor. A
+///   fused execution that fails records its error on every output of the run.
+/// * **Liveness.** A dropped tensor that an offered operation produced or read is offered as
+///   [`OperationIr::Drop`] (status `ReadWrite`), so the fuser knows it is not needed afterwards;
+///   an output consumed (`ReadWrite`) or dropped inside the run may legitimately never be
+///   written. Every other output must be registered, or it gets [`crate::Error::OutputNotWritten`].
+/// * **Shares and reads.** A share or a read drains the whole queue before aliasing or reading,
+///   so a run never spans one: what is drained is complete before the alias exists.
+/// * **Aliases.** The fuser sees the stream's handles when an operation is offered, so it can
+///   refuse to write in place a buffer that another owner (a view) holds or that another stream
+///   allocated.
+pub trait Fuser<R: StreamRuntime>: Send {
+    /// Offer the next queued operation. `false` when it cannot join the run (the run ends
+    /// before it, and it will be offered again, first, to a reset fuser). `handles` are the
+    /// stream's handles as they are before the run executes.
+    fn offer(&mut self, op: &OperationIr, handles: &HandleContainer<R::FusionHandle>) -> bool;
+
+    /// How many of the operations offered since the last reset (a prefix, drops included) one
+    /// fused execution would cover now.
+    fn covered(&self) -> usize;
+
+    /// Execute the covered operations on the current stream: take their inputs from `handles`
+    /// by the status their IR records, and register every output the fused kernels write.
+    /// Returns how many kernels were launched. Dispatch only; must not wait for the device.
+    fn execute(
+        &mut self,
+        handles: &mut HandleContainer<R::FusionHandle>,
+        context: &R::Context,
+    ) -> Result<usize>;
+
+    /// Forget everything offered.
+    fn reset(&mut self);
+}

@@ -1,0 +1,212 @@
+//! Kernel fusion on the host device (`HostDevice::fusing`): the engine's rules for fused runs —
+//! results bit for bit the unfused ones, intermediates never written, errors per tensor, runs cut
+//! by failed inputs and shares, drops inside a run, and nothing held afterwards.
+
+mod common;
+
+use burn_backend::DType;
+use burn_ir::{CustomOpIr, HandleContainer};
+use common::*;
+use fusion_streams::host::{HostDevice, HostHandle};
+use fusion_streams::runtime::Kernel;
+use fusion_streams::{EngineConfig, Error, FusionClient, Operand};
+
+fn fusing() -> Client {
+    FusionClient::with_config(HostDevice::default().fusing(), lazy_config()).expect("host device")
+}
+
+fn unfused() -> Client {
+    FusionClient::with_config(
+        HostDevice::default().fusing(),
+        lazy_config().with_fusion(false),
+    )
+    .expect("host device")
+}
+
+const INPUT: [f32; 6] = [0.25, -1.5, 3.0, 0.1, -0.7, 2.2];
+
+/// A ten-operation elementwise chain with a second operand: every kind of step the host fuses.
+fn chain(c: &Client) -> (Tensor, Tensor) {
+    let x = f32s(c, &INPUT);
+    let y = f32s(c, &INPUT.map(|v| v * 0.5 + 1.0));
+    let mut t = x.scale(1.5).unwrap();
+    for i in 0..3 {
+        t = t.add(&y).unwrap();
+        t = t.mul(&x).unwrap();
+        t = if i == 1 {
+            t.exp().unwrap().scale(1e-3).unwrap()
+        } else {
+            t.scale(0.5).unwrap()
+        };
+    }
+    (x, t)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_ten_op_chain_is_one_kernel_and_matches_unfused_bit_for_bit() {
+    let (f, u) = (fusing(), unfused());
+    let (fx, ft) = chain(&f);
+    let (ux, ut) = chain(&u);
+    let dispatched = host(&f).kernels_dispatched;
+    let fused = values(&ft);
+    assert_eq!(bits(&fused), bits(&values(&ut)), "fused {fused:?}");
+    let s = f.stats();
+    assert_eq!((s.fused_kernels, s.ops_fused), (1, 11), "{s:?}");
+    assert_eq!(
+        host(&f).kernels_dispatched - dispatched,
+        1,
+        "one job for the chain"
+    );
+    let s = u.stats();
+    assert_eq!((s.fused_kernels, s.ops_fused), (0, 0), "fusion off: {s:?}");
+    // Intermediates live in registers: `x` and the result are the only buffers left (`y` was
+    // dropped inside the run, after its last reader).
+    settle(&f);
+    assert_eq!(host(&f).live_buffers(), 2);
+    drop((fx, ft, ux, ut));
+    assert_nothing_held(&f);
+    assert_nothing_held(&u);
+}
+
+#[test]
+fn results_that_outlive_the_run_are_written_and_dropped_ones_are_not() {
+    let c = fusing();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let kept = x.scale(2.0).unwrap(); // still held: written
+    let dropped = kept.exp().unwrap(); // dropped before the run: never written
+    let out = dropped.add(&kept).unwrap();
+    drop(dropped);
+    assert_eq!(values(&out), vec![2f32.exp() + 2.0, 4f32.exp() + 4.0]);
+    assert_eq!(values(&kept), vec![2.0, 4.0]);
+    let s = c.stats();
+    assert_eq!(
+        (s.fused_kernels, s.ops_fused, s.error_records),
+        (1, 3, 0),
+        "{s:?}"
+    );
+    settle(&c);
+    assert_eq!(host(&c).live_buffers(), 3, "x, kept, out");
+    drop((x, kept, out));
+    assert_nothing_held(&c);
+}
+
+/// An engine error on an input ends the run before the operation that reads it; the operation
+/// runs alone and the error travels per tensor, exactly as without fusion.
+#[test]
+fn an_input_with_an_error_record_cuts_the_run() {
+    let program = |c: &Client| {
+        let x = f32s(c, &[1.0, 2.0]);
+        let bad = c
+            .op("boom")
+            .read(&x)
+            .output([2], DType::F32)
+            .execute(|_: &CustomOpIr, _: &mut HandleContainer<HostHandle>| {
+                Err(Error::operation("boom", "injected"))
+            })
+            .unwrap()
+            .remove(0);
+        let a = x.scale(2.0).unwrap().exp().unwrap();
+        let b = bad.scale(3.0).unwrap().add(&a).unwrap();
+        let d = a.mul(&x).unwrap().scale(0.5).unwrap();
+        (x, bad, a, b, d)
+    };
+    let (f, u) = (fusing(), unfused());
+    let (_, _, fa, fb, fd) = program(&f);
+    let (_, _, ua, ub, ud) = program(&u);
+    assert_eq!(bits(&values(&fa)), bits(&values(&ua)));
+    assert_eq!(bits(&values(&fd)), bits(&values(&ud)));
+    let (fe, ue) = (fb.read().unwrap_err(), ub.read().unwrap_err());
+    assert_eq!(fe, ue, "the same propagated error");
+    assert!(fe.is_propagated(), "{fe:?}");
+    let s = f.stats();
+    assert!(s.fused_kernels >= 1, "{s:?}");
+    assert_eq!(
+        s.ops_skipped,
+        u.stats().ops_skipped,
+        "the same operations skipped"
+    );
+}
+
+/// A device failure inside a fused run reaches exactly the results that depend on it, with the
+/// error the unfused kernels report; the independent results of the same run are unaffected.
+#[test]
+fn a_device_failure_in_a_run_reaches_only_its_dependents() {
+    let program = |c: &Client| {
+        let x = f32s(c, &[1.0, 2.0]);
+        let failed = c.fail_on_device(&x).unwrap();
+        let independent = x.scale(2.0).unwrap().exp().unwrap();
+        let dependent = failed.scale(3.0).unwrap().add(&independent).unwrap();
+        (x, failed, independent, dependent)
+    };
+    let (f, u) = (fusing(), unfused());
+    let (_, _, fi, fd) = program(&f);
+    let (_, _, ui, ud) = program(&u);
+    assert_eq!(bits(&values(&fi)), bits(&values(&ui)));
+    assert_eq!(fd.read().unwrap_err(), ud.read().unwrap_err());
+    assert!(f.stats().fused_kernels >= 1, "{:?}", f.stats());
+}
+
+/// A share drains the queue before it aliases: a run never spans it, and the view sees the
+/// complete value.
+#[test]
+fn a_share_ends_the_run_and_sees_the_complete_value() {
+    let c = fusing();
+    let x = f32s(&c, &[1.0, -1.0]);
+    let y = x.scale(3.0).unwrap().exp().unwrap();
+    let peer = Peer::spawn();
+    let y2 = y.clone();
+    let got = peer.run(move || values(&y2.clone().scale(2.0).unwrap().add(&y2).unwrap()));
+    let want: Vec<f32> = [3f32.exp(), (-3f32).exp()]
+        .iter()
+        .map(|v| v * 2.0 + v)
+        .collect();
+    assert_eq!(bits(&got), bits(&want));
+    let s = c.stats();
+    assert_eq!(s.share_drains, 1);
+    assert_eq!(
+        s.fused_kernels, 2,
+        "one run before the share, one on the peer: {s:?}"
+    );
+    drop((x, y));
+    peer.join();
+    assert_nothing_held(&c);
+}
+
+/// Operations the host does not fuse (a sum, a matmul, another length, a consumed built-in
+/// launched by hand) run alone between fused runs, in queue order.
+#[test]
+fn unfusable_operations_run_alone_between_runs() {
+    let c = fusing();
+    let x = f32s(&c, &[1.0, 2.0, 3.0]);
+    let a = x.scale(2.0).unwrap().add(&x).unwrap(); // run 1
+    let total = a.sum().unwrap(); // alone (another length)
+    let b = total.scale(2.0).unwrap().exp().unwrap(); // run 2 (length 1)
+    let out = c.launch(Kernel::Scale(0.5), [Operand::Consume(a)]).unwrap();
+    assert_eq!(values(&b), vec![36f32.exp()]);
+    assert_eq!(values(&out), vec![1.5, 3.0, 4.5]);
+    let s = c.stats();
+    assert_eq!(s.fused_kernels, 2, "{s:?}");
+    assert_eq!(s.ops_fused, 4, "{s:?}");
+    drop((x, total, b, out));
+    assert_nothing_held(&c);
+}
+
+/// Fusion off in the engine's settings: the fusing device runs one kernel per operation.
+#[test]
+fn fusion_can_be_turned_off_per_engine() {
+    let c: Client = FusionClient::with_config(
+        HostDevice::default().fusing(),
+        EngineConfig::default().with_fusion(false),
+    )
+    .unwrap();
+    let x = f32s(&c, &[1.0]);
+    assert_eq!(
+        values(&x.scale(2.0).unwrap().exp().unwrap()),
+        vec![2f32.exp()]
+    );
+    assert_eq!(c.stats().fused_kernels, 0);
+}
