@@ -6,14 +6,18 @@
 //!
 //! 1. `chain/<n>`: a chain of 1,000 elementwise ops on a tensor of `n` f32, then a read, on one
 //!    thread: the engine's per-op overhead against the op's own cost;
-//! 2. `threads/<T>`: T threads, each running a small MLP forward pass repeatedly on its own
+//! 2. `short-chain/<n>`: 100 times a chain of 16 elementwise ops and a read: one fusable chain's
+//!    latency;
+//! 3. `threads/<T>`: T threads, each running a small MLP forward pass repeatedly on its own
 //!    data (its own stream), against the same on plain `B`: how the engine scales with threads.
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
-//! With `cuda`, each measurement also runs on burn-fusion 0.21's `Fusion<CubeBackend>` and prints
+//! With `cuda`, each measurement also runs on our engine with fusion switched off
+//! (`ratio unfused-<name>`: unfused time over fused) and on burn-fusion 0.21's
+//! `Fusion<CubeBackend>`, and prints
 //! `ratio burn-fusion-<name>: <x>` (its time over ours). burn 0.21 has no run-time switch for its
 //! fusers (burn-cubecl hard-codes them in `FusionCubeRuntime::fusers`); its "fusion off"
 //! configuration is the `fusion` cargo feature off, which makes `burn::backend::Cuda` plain
@@ -64,6 +68,27 @@ fn chain<B: Backend>(device: &B::Device, n: usize) -> Duration {
     let elapsed = start.elapsed();
     std::hint::black_box(out);
     elapsed
+}
+
+/// `reps` times: a chain of 16 elementwise ops on `n` f32, then a read (the latency of one
+/// short fusable chain, which fusion turns from 16 kernels into one).
+fn short_chain<B: Backend>(device: &B::Device, n: usize, reps: usize) -> Duration {
+    let x = Tensor::<B, 1>::from_data(data(n, 3), device);
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..reps {
+        let mut t = x.clone();
+        for i in 0..16 {
+            t = match i % 4 {
+                0 => t * 1.5,
+                1 => t.tanh(),
+                2 => t + x.clone(),
+                _ => t.abs(),
+            };
+        }
+        std::hint::black_box(t.into_data());
+    }
+    start.elapsed()
 }
 
 /// A small MLP forward pass (batch 32, 64 -> 128 -> 16), `reps` times, on each of `threads`
@@ -135,6 +160,15 @@ fn measure(
     ratios.push((name.clone(), r));
     #[cfg(feature = "cuda")]
     {
+        let label = format!("unfused-{name}");
+        let r = compare(
+            &label,
+            "unfused",
+            rounds,
+            || run(Contender::Ours),
+            || run(Contender::OursUnfused),
+        );
+        ratios.push((label, r));
         let label = format!("burn-fusion-{name}");
         let r = compare(
             &label,
@@ -151,30 +185,53 @@ fn measure(
 #[derive(Clone, Copy)]
 enum Contender {
     Ours,
+    /// Ours with fusion switched off on the engine (`MultiStream::set_fusion`).
+    #[cfg(feature = "cuda")]
+    OursUnfused,
     Plain,
     #[cfg(feature = "cuda")]
     BurnFusion,
 }
 
 impl Contender {
-    /// The chain (`chain_n`) or the threaded MLP, on this contender's backend.
-    fn run(self, chain_n: Option<usize>, threads: usize, reps: usize) -> Duration {
+    /// The workload on this contender's backend.
+    fn run(self, work: Work) -> Duration {
         macro_rules! on {
             ($b:ty) => {{
                 let device = Default::default();
-                match chain_n {
-                    Some(n) => chain::<$b>(&device, n),
-                    None => mlp_threads::<$b>(&device, threads, reps),
+                match work {
+                    Work::Chain(n) => chain::<$b>(&device, n),
+                    Work::Short(n, reps) => short_chain::<$b>(&device, n, reps),
+                    Work::Mlp(threads, reps) => mlp_threads::<$b>(&device, threads, reps),
                 }
             }};
         }
         match self {
             Contender::Ours => on!(Ours),
+            #[cfg(feature = "cuda")]
+            Contender::OursUnfused => {
+                let streams = Ours::client(&Default::default());
+                streams.streams().set_fusion(false);
+                let elapsed = on!(Ours);
+                streams.streams().set_fusion(true);
+                elapsed
+            }
             Contender::Plain => on!(Plain),
             #[cfg(feature = "cuda")]
             Contender::BurnFusion => on!(BurnFusion),
         }
     }
+}
+
+/// What a measurement runs.
+#[derive(Clone, Copy)]
+enum Work {
+    /// The 1,000-op chain on `n` elements.
+    Chain(usize),
+    /// The 16-op chain on `n` elements, `reps` times.
+    Short(usize, usize),
+    /// The MLP on `threads` threads, `reps` times each.
+    Mlp(usize, usize),
 }
 
 fn main() {
@@ -189,13 +246,21 @@ fn main() {
     let mut ratios = Vec::new();
     for n in [1 << 10, 1 << 14, 1 << 16, 1 << 18] {
         measure(&mut ratios, format!("chain/{n}"), rounds, |c| {
-            c.run(Some(n), 1, 0)
+            c.run(Work::Chain(n))
+        });
+    }
+    let short_reps = if quick() { 10 } else { 100 };
+    for n in [1 << 10, 1 << 16] {
+        measure(&mut ratios, format!("short-chain/{n}"), rounds, |c| {
+            c.run(Work::Short(n, short_reps))
         });
     }
     let reps = if quick() { 20 } else { 200 };
     for threads in [1, 2, 4, 8, 16] {
         let name = format!("threads/{threads}");
-        measure(&mut ratios, name, rounds, |c| c.run(None, threads, reps));
+        measure(&mut ratios, name, rounds, |c| {
+            c.run(Work::Mlp(threads, reps))
+        });
     }
     for (name, r) in ratios {
         println!("ratio {name}: {r:.3}");

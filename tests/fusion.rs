@@ -210,3 +210,20 @@ fn fusion_can_be_turned_off_per_engine() {
     );
     assert_eq!(c.stats().fused_kernels, 0);
 }
+
+/// The engine's switch takes effect at the next drain, both ways.
+#[test]
+fn fusion_can_be_switched_at_run_time() {
+    let c = fusing();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let run = || values(&x.scale(2.0).unwrap().exp().unwrap());
+    let fused = run();
+    assert_eq!(c.stats().fused_kernels, 1);
+    c.streams().set_fusion(false);
+    assert!(!c.streams().config().fusion);
+    assert_eq!(bits(&run()), bits(&fused));
+    assert_eq!(c.stats().fused_kernels, 1, "unfused while off");
+    c.streams().set_fusion(true);
+    run();
+    assert_eq!(c.stats().fused_kernels, 2);
+}

@@ -14,6 +14,11 @@
 //!   burn [`ExecutionError`] with the root cause's message;
 //! * `into_data` does its eager part at the call (drain the stream, take the handle) and returns
 //!   `B`'s own future for the copy; `sync` drains the calling thread's stream, then runs `B::sync`.
+//! * with the `cuda` feature, `StreamFusion<CubeBackend<CudaRuntime, ..>>` fuses each run of
+//!   elementwise operations into one kernel when a stream drains, through burn-cubecl-fusion's
+//!   elementwise fuser (`cube_fuser`; switch it with [`crate::MultiStream::set_fusion`]). Other
+//!   backends run operation by operation unless a fuser is registered for them
+//!   ([`register_fuser`]).
 //!
 //! ```
 //! use burn_backend::{Backend, TensorData, ops::FloatTensorOps};
@@ -30,7 +35,10 @@
 //! ```
 
 mod bool;
+#[cfg(feature = "cuda")]
+mod cube;
 mod float;
+mod fusion;
 mod int;
 pub(crate) mod macros;
 mod module;
@@ -54,6 +62,9 @@ use burn_ir::{BackendIr, TensorHandle};
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
+#[cfg(feature = "cuda")]
+pub use cube::{CubeStreamFuser, cube_fuser};
+pub use fusion::register_fuser;
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};
 use runtime::{Kind, to_execution_error};

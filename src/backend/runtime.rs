@@ -177,6 +177,10 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
         block_on(future).map_err(|e| execution_error("read", e))
     }
 
+    fn fuser(ctx: &BackendContext<B>) -> Option<Box<dyn crate::runtime::Fuser<Self>>> {
+        super::fusion::fuser_for::<B>(&ctx.device)
+    }
+
     fn can_mut(_handle: &B::Handle) -> bool {
         // The engine's built-in kernels never write in place on a burn backend: the backend's own
         // operations decide that on their primitives.

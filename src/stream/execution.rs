@@ -23,6 +23,7 @@
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::Ordering;
 
 use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
 use hashbrown::{HashMap, HashSet};
@@ -41,12 +42,14 @@ impl<R: StreamRuntime> StreamState<R> {
             let mut ops = std::mem::take(&mut self.queue);
             // Device work dispatched by the executors must land on this stream even when another
             // thread is draining it (to share or read one of its tensors).
+            let fusing = self.fuser.is_some() && self.fusion.load(Ordering::Relaxed);
             self.id.executes(|| match self.fuser.take() {
-                Some(mut fuser) => {
+                Some(mut fuser) if fusing => {
                     self.execute_fusing(&mut ops, &mut *fuser);
                     self.fuser = Some(fuser);
                 }
-                None => {
+                fuser => {
+                    self.fuser = fuser;
                     for op in ops.drain(..) {
                         self.execute_entry(op);
                     }
@@ -350,6 +353,7 @@ mod tests {
             std::sync::Weak::new(),
             crate::EngineConfig::default().with_max_queue_len(8),
             ctx.clone(),
+            Default::default(),
         );
         let existing = crate::id::fresh_tensor_id();
         state.handles.register_handle(existing, upload(1.0));

@@ -7,7 +7,7 @@ mod local;
 mod service;
 mod state;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -259,6 +259,8 @@ pub struct MultiStream<R: StreamRuntime> {
     streams: RwLock<HashMap<StreamId, Arc<StreamCell<R>>>>,
     /// Counters of retired streams, so the totals never go backwards.
     retired: Mutex<StreamCounters>,
+    /// Whether streams fuse now (see [`MultiStream::set_fusion`]); shared with every stream.
+    fusion: Arc<AtomicBool>,
     this: Weak<Self>,
 }
 
@@ -274,13 +276,23 @@ impl<R: StreamRuntime> MultiStream<R> {
             },
             streams: RwLock::new(HashMap::new()),
             retired: Mutex::new(StreamCounters::default()),
+            fusion: Arc::new(AtomicBool::new(config.fusion)),
             this: this.clone(),
         })
     }
 
-    /// The engine's settings.
+    /// The engine's settings (with [`EngineConfig::fusion`] as it is now).
     pub fn config(&self) -> EngineConfig {
-        self.config
+        EngineConfig {
+            fusion: self.fusion.load(Ordering::Relaxed),
+            ..self.config
+        }
+    }
+
+    /// Turn fusion on or off for every stream, from their next drain on (see
+    /// [`EngineConfig::fusion`]). For comparing fused and unfused runs in one process.
+    pub fn set_fusion(&self, on: bool) {
+        self.fusion.store(on, Ordering::Relaxed);
     }
 
     fn hook(&self) -> Weak<dyn EngineHook> {
@@ -303,6 +315,7 @@ impl<R: StreamRuntime> MultiStream<R> {
                     self.this.clone(),
                     self.config,
                     self.context.clone(),
+                    self.fusion.clone(),
                 )))
             })
             .clone()

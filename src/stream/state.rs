@@ -76,8 +76,10 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) max_queue_len: usize,
     pub(crate) max_deferred_free_delay: Duration,
     pub(crate) queue: Vec<QueuedOp<R>>,
-    /// The runtime's kernel fuser for this stream, if it fuses and fusion is on.
+    /// The runtime's kernel fuser for this stream, if the runtime fuses.
     pub(crate) fuser: Option<Box<dyn crate::runtime::Fuser<R>>>,
+    /// The engine's switch for fusion (see `MultiStream::set_fusion`).
+    pub(crate) fusion: Arc<std::sync::atomic::AtomicBool>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
     pub(crate) handles: HandleContainer<R::FusionHandle>,
     /// Error records: tensors whose producer failed. Disjoint from `handles`.
@@ -106,13 +108,11 @@ impl<R: StreamRuntime> StreamState<R> {
         engine: Weak<super::MultiStream<R>>,
         config: crate::EngineConfig,
         context: Arc<R::Context>,
+        fusion: Arc<std::sync::atomic::AtomicBool>,
     ) -> Self {
-        let fuser = if config.fusion {
-            R::fuser(&context)
-        } else {
-            None
-        };
+        let fuser = R::fuser(&context);
         Self {
+            fusion,
             id,
             serial,
             engine,
