@@ -395,6 +395,41 @@ mod cuda_fusion {
         assert_eq!(client.stats().fused_kernels, after.fused_kernels);
     }
 
+    /// The benchmark's 1,000-op chain: the queue bound (32) does not cut it, `max_fused_len`
+    /// (512 entries) does, so it is two kernels; the values agree with unfused CubeBackend.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn a_thousand_op_chain_is_two_fused_kernels() {
+        fn long<B: Backend>(mut t: Tensor<B, 1>) -> Tensor<B, 1> {
+            for i in 0..1000 {
+                t = match i % 4 {
+                    0 => t * 1.5,
+                    1 => t.tanh(),
+                    2 => t + 0.25,
+                    _ => t.abs(),
+                };
+            }
+            t
+        }
+        let device = Default::default();
+        let client = Ours::client(&device);
+        let n = 1 << 16;
+        let (x, _) = inputs::<Ours>(n, &device);
+        Ours::sync(&device).unwrap();
+        let before = client.stats();
+        let fused = long(x).into_data();
+        let after = client.stats();
+        assert_eq!(after.fused_kernels - before.fused_kernels, 2, "{after:?}");
+        assert_eq!(after.ops_fused - before.ops_fused, 1000, "{after:?}");
+        let (x, _) = inputs::<Plain>(n, &device);
+        let plain = long(x).into_data();
+        let (worst, same) = compare(&fused, &plain);
+        println!(
+            "1,000-op chain, fused vs unfused: {same}/{n} bit for bit, worst relative {worst:e}"
+        );
+        assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+    }
+
     /// A tensor allocated on thread A, consumed by a fused chain on thread B (its buffer must
     /// not be written in place there: another stream allocated it), read on thread C: complete,
     /// on 64 Mi elements, where a missed ordering shows.

@@ -227,3 +227,79 @@ fn fusion_can_be_switched_at_run_time() {
     run();
     assert_eq!(c.stats().fused_kernels, 2);
 }
+
+/// A chain `n` operations long on `c`, each step dropping its input (so the queue holds a drop
+/// after every operation), alternating so that values stay bounded.
+fn long_chain(c: &Client, n: usize) -> Tensor {
+    let mut t = f32s(c, &INPUT);
+    for i in 0..n {
+        t = match i % 3 {
+            0 => t.scale(1.5).unwrap(),
+            1 => t.exp().unwrap(),
+            _ => t.scale(1e-3).unwrap(),
+        };
+    }
+    t
+}
+
+/// The queue bound does not cut a run the fuser still accepts: it stays queued, planned, and
+/// the whole chain is one kernel, bit for bit the unfused result.
+#[test]
+fn a_run_longer_than_the_queue_bound_is_still_one_kernel() {
+    let config = EngineConfig::default().with_max_queue_len(8);
+    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let u: Client =
+        FusionClient::with_config(HostDevice::default().fusing(), config.with_fusion(false))
+            .unwrap();
+    let (t, reference) = (long_chain(&c, 100), long_chain(&u, 100));
+    let s = c.stats();
+    assert!(s.lazy_flushes >= 20, "the bound was reached: {s:?}");
+    assert_eq!(s.fused_kernels, 0, "the open run waits: {s:?}");
+    assert!(s.pending_ops > 100, "the open run is queued: {s:?}");
+    assert_eq!(bits(&values(&t)), bits(&values(&reference)));
+    let s = c.stats();
+    assert_eq!((s.fused_kernels, s.ops_fused), (1, 100), "{s:?}");
+    drop((t, reference));
+    assert_nothing_held(&c);
+    assert_nothing_held(&u);
+}
+
+/// `max_fused_len` bounds a run (and what a stream holds queued): a longer chain is cut into
+/// runs of at most that many queue entries, executed as the queue fills.
+#[test]
+fn max_fused_len_cuts_a_long_run() {
+    let config = EngineConfig::default()
+        .with_max_queue_len(8)
+        .with_max_fused_len(64);
+    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let u: Client =
+        FusionClient::with_config(HostDevice::default().fusing(), config.with_fusion(false))
+            .unwrap();
+    let (t, reference) = (long_chain(&c, 100), long_chain(&u, 100));
+    let s = c.stats();
+    assert!(s.pending_ops <= 64 + 8, "bounded: {s:?}");
+    // 100 operations and 99 drops: runs of 64 entries (32 operations) until the read.
+    assert_eq!(s.fused_kernels, 3, "{s:?}");
+    assert_eq!(bits(&values(&t)), bits(&values(&reference)));
+    let s = c.stats();
+    assert_eq!((s.fused_kernels, s.ops_fused), (4, 100), "{s:?}");
+    assert_eq!(c.streams().config().max_fused_len, 64);
+    drop((t, reference));
+    assert_nothing_held(&c);
+}
+
+/// Operations the fuser refuses are not held back by the open-run rule: the queue bound still
+/// executes them.
+#[test]
+fn unfusable_work_still_executes_at_the_queue_bound() {
+    let config = EngineConfig::default().with_max_queue_len(8);
+    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let x = f32s(&c, &[1.0, 2.0, 3.0]);
+    let sums: Vec<Tensor> = (0..50).map(|_| x.sum().unwrap()).collect();
+    let s = c.stats();
+    assert!(s.pending_ops < 8, "{s:?}");
+    assert_eq!(s.fused_kernels, 0, "{s:?}");
+    assert_eq!(values(&sums[49]), vec![6.0]);
+    drop((x, sums));
+    assert_nothing_held(&c);
+}

@@ -16,6 +16,7 @@
 //! consumed input allocated on another stream is offered as `ReadOnly`, so the fused kernel gives
 //! it a fresh output instead (the engine still releases it after the run).
 
+use std::borrow::Cow;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use burn_backend::{Shape, StreamId};
@@ -31,6 +32,7 @@ use burn_ir::{
     SwapDimsOpIr, TensorId, TensorIr, TensorStatus, UnaryOpIr,
 };
 use hashbrown::HashMap;
+use smallvec::SmallVec;
 
 use super::BackendRuntime;
 use crate::runtime::Fuser;
@@ -48,7 +50,6 @@ pub fn cube_fuser<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     Box::new(CubeFuser::<R> {
         elementwise: ElementWiseFuser::new(device.clone()),
         live: true,
-        offered: Vec::new(),
         offered_relative: Vec::new(),
         relative: Relative::default(),
         runs: vec![Node::default()],
@@ -92,11 +93,9 @@ struct CubeFuser<R: CubeRuntime> {
     elementwise: ElementWiseFuser<R>,
     /// Whether `elementwise` has been fed exactly `offered_relative` since its last reset.
     live: bool,
-    /// The accepted operations, as offered (global ids), for the context of a run.
-    offered: Vec<OperationIr>,
-    /// The same, in relative form, to replay into the fuser on a new prefix.
+    /// The accepted operations in relative form, to replay into the fuser on a new prefix.
     offered_relative: Vec<OperationIr>,
-    /// The conversion of everything offered so far.
+    /// The conversion of exactly the accepted operations: the context of the run's kernel.
     relative: Relative,
     /// The trie of runs seen, `runs[0]` the empty prefix.
     runs: Vec<Node<R>>,
@@ -130,6 +129,9 @@ where
         let Some(relative) = self.relative.op(&op) else {
             return false;
         };
+        // From here on, a refusal takes the operation's conversion back: the context must hold
+        // exactly the accepted operations (a refused consuming use would otherwise change the
+        // status of a tensor the kernel reads).
         let key = Key(relative);
         let (next, fed_now) = match self.runs[self.at].next.get(&key) {
             Some(next) => (*next, false),
@@ -151,19 +153,19 @@ where
             }
         };
         if !self.runs[next].accepted {
+            self.relative.roll_back();
             return false;
         }
         // A known prefix is not fed to the fuser: from here on it lags behind.
         self.live &= fed_now;
         self.at = next;
-        self.offered.push(op);
         self.offered_relative.push(key.0);
         true
     }
 
     fn covered(&self) -> usize {
         // The elementwise fuser is ready as soon as it holds one operation.
-        self.offered.len()
+        self.offered_relative.len()
     }
 
     fn execute(
@@ -185,20 +187,11 @@ where
                 optimization
             }
         };
-        // The context of exactly the accepted operations (the refused one that ended the run
-        // was converted too, and its statuses must not reach this kernel).
-        let mut relative = Relative::default();
-        for op in &self.offered {
-            relative
-                .op(op)
-                .expect("an accepted operation converts again");
-        }
-        run(&optimization, relative, handles)?;
+        run(&optimization, std::mem::take(&mut self.relative), handles)?;
         Ok(1)
     }
 
     fn reset(&mut self) {
-        self.offered.clear();
         self.offered_relative.clear();
         self.relative = Relative::default();
         self.at = 0;
@@ -231,12 +224,12 @@ fn run<R: CubeRuntime>(
 
 /// `op`, with every consumed input that another stream allocated marked `ReadOnly` (see the
 /// module docs).
-fn allocated_here_or_read_only<R: CubeRuntime>(
-    op: &OperationIr,
+fn allocated_here_or_read_only<'a, R: CubeRuntime>(
+    op: &'a OperationIr,
     handles: &HandleContainer<CubeFusionHandle<R>>,
-) -> OperationIr {
+) -> Cow<'a, OperationIr> {
     let current = StreamId::current();
-    let foreign: Vec<TensorId> = op
+    let foreign: SmallVec<[TensorId; 2]> = op
         .inputs()
         .filter(|input| input.status == TensorStatus::ReadWrite)
         .filter(|input| {
@@ -246,20 +239,36 @@ fn allocated_here_or_read_only<R: CubeRuntime>(
         })
         .map(|input| input.id)
         .collect();
-    let mut op = op.clone();
-    if !foreign.is_empty() {
-        op.mark_read_only(&foreign);
+    if foreign.is_empty() {
+        return Cow::Borrowed(op);
     }
-    op
+    let mut op = op.clone();
+    op.mark_read_only(&foreign);
+    Cow::Owned(op)
 }
 
-/// burn-fusion's relative form of a run (see the module docs), built one operation at a time.
+/// burn-fusion's relative form of a run (see the module docs), built one operation at a time;
+/// the last operation's conversion can be taken back ([`Relative::roll_back`]).
 struct Relative {
     global2relative: HashMap<TensorId, TensorIr>,
     relative2global: HashMap<TensorId, TensorIr>,
     shapes_global2relative: HashMap<usize, usize>,
     shapes_relative2global: HashMap<usize, usize>,
     scalars: HashMap<ScalarId, ScalarIr>,
+    /// What the last operation's conversion replaced, to take it back.
+    undo: Vec<Undo>,
+}
+
+/// One change of a conversion, with what it replaced.
+enum Undo {
+    Tensor {
+        global: TensorId,
+        relative: TensorId,
+        global2relative: Option<TensorIr>,
+        relative2global: Option<TensorIr>,
+    },
+    Shape(usize, usize),
+    Scalar(ScalarId),
 }
 
 impl Default for Relative {
@@ -271,6 +280,7 @@ impl Default for Relative {
             shapes_global2relative: HashMap::from_iter([(1, 0)]),
             shapes_relative2global: HashMap::from_iter([(0, 1)]),
             scalars: HashMap::new(),
+            undo: Vec::new(),
         }
     }
 }
@@ -281,24 +291,34 @@ impl Relative {
             Some(known) => known.id,
             None => TensorId::new(self.relative2global.len() as u64),
         };
-        let dims: Vec<usize> = ir
+        let shape: Shape = ir
             .shape
             .iter()
-            .map(|dim| {
-                let next = self.shapes_global2relative.len();
-                let relative = *self.shapes_global2relative.entry(*dim).or_insert(next);
-                self.shapes_relative2global.insert(relative, *dim);
-                relative
+            .map(|dim| match self.shapes_global2relative.get(dim) {
+                Some(relative) => *relative,
+                None => {
+                    let relative = self.shapes_global2relative.len();
+                    self.shapes_global2relative.insert(*dim, relative);
+                    self.shapes_relative2global.insert(relative, *dim);
+                    self.undo.push(Undo::Shape(*dim, relative));
+                    relative
+                }
             })
             .collect();
         let relative = TensorIr {
             id,
-            shape: Shape::from(dims),
+            shape,
             status: ir.status,
             dtype: ir.dtype,
         };
-        self.relative2global.insert(id, ir.clone());
-        self.global2relative.insert(ir.id, relative.clone());
+        let relative2global = self.relative2global.insert(id, ir.clone());
+        let global2relative = self.global2relative.insert(ir.id, relative.clone());
+        self.undo.push(Undo::Tensor {
+            global: ir.id,
+            relative: id,
+            global2relative,
+            relative2global,
+        });
         relative
     }
 
@@ -307,7 +327,38 @@ impl Relative {
             value: self.scalars.len() as u64,
         };
         self.scalars.insert(id, *scalar);
+        self.undo.push(Undo::Scalar(id));
         ScalarIr::UInt(id.value)
+    }
+
+    /// Take back the conversion of the last operation converted.
+    fn roll_back(&mut self) {
+        for undo in self.undo.drain(..).rev() {
+            match undo {
+                Undo::Tensor {
+                    global,
+                    relative,
+                    global2relative,
+                    relative2global,
+                } => {
+                    match global2relative {
+                        Some(before) => self.global2relative.insert(global, before),
+                        None => self.global2relative.remove(&global),
+                    };
+                    match relative2global {
+                        Some(before) => self.relative2global.insert(relative, before),
+                        None => self.relative2global.remove(&relative),
+                    };
+                }
+                Undo::Shape(dim, relative) => {
+                    self.shapes_global2relative.remove(&dim);
+                    self.shapes_relative2global.remove(&relative);
+                }
+                Undo::Scalar(id) => {
+                    self.scalars.remove(&id);
+                }
+            }
+        }
     }
 
     fn unary(&mut self, ir: &UnaryOpIr) -> UnaryOpIr {
@@ -339,6 +390,7 @@ impl Relative {
         if !fusable(op) {
             return None;
         }
+        self.undo.clear();
         Some(match op {
             OperationIr::Drop(tensor) => OperationIr::Drop(self.tensor(tensor)),
             OperationIr::Float(dtype, op) => OperationIr::Float(*dtype, self.float(op)),

@@ -7,11 +7,17 @@ use crate::Result;
 
 /// A runtime's kernel fuser for one stream.
 ///
-/// When a stream drains, the engine offers its queued operations to the stream's [`Fuser`] in
-/// order, as burn IR, until one is refused; the fuser says how many of them (a prefix) one fused
-/// execution covers, and the engine runs that prefix through [`Fuser::execute`] inside one error
-/// scope, then offers the rest again. Runs the fuser does not cover (or that cover fewer than two
+/// The engine offers a stream's queued operations to the stream's [`Fuser`] in order, as burn
+/// IR, until one is refused; the fuser says how many of them (a prefix) one fused execution
+/// covers, and the engine runs that prefix through [`Fuser::execute`] inside one error scope,
+/// then offers the rest again. Runs the fuser does not cover (or that cover fewer than two
 /// operations) execute operation by operation, as without fusion.
+///
+/// Offers happen when the queue reaches its bound and when the stream drains. At the bound, a
+/// run the fuser has accepted to the end of the queue stays queued, still planned (up to
+/// [`crate::EngineConfig::max_fused_len`] entries): later operations are offered to the same
+/// fuser, without a reset, so one kernel covers a run longer than the queue bound and each
+/// operation is offered once. A drain (a read, a share, a sync) executes the run as it stands.
 ///
 /// The engine keeps the rules fusion must not break:
 ///
@@ -30,7 +36,8 @@ use crate::Result;
 pub trait Fuser<R: StreamRuntime>: Send {
     /// Offer the next queued operation. `false` when it cannot join the run (the run ends
     /// before it, and it will be offered again, first, to a reset fuser). `handles` are the
-    /// stream's handles as they are before the run executes.
+    /// stream's handles now; every handle an offered operation reads stays registered, as it
+    /// is, until the run executes.
     fn offer(&mut self, op: &OperationIr, handles: &HandleContainer<R::FusionHandle>) -> bool;
 
     /// How many of the operations offered since the last reset (a prefix, drops included) one

@@ -35,9 +35,52 @@ use crate::operation::OpBody;
 use crate::operation::QueuedOp;
 use crate::runtime::{Fuser, StreamRuntime};
 
+/// What the stream's fuser has been offered of the queue's front since its last reset.
+///
+/// Every entry before `scanned` was accepted, or is a drop of a tensor the run never touched
+/// (freed with the run, never shown to the fuser). The plan survives between lazy flushes, so a
+/// run the fuser can still extend is offered each operation once, however many flushes it
+/// spans; only the execution of queued entries (which removes them from the front) clears it.
+#[derive(Default)]
+pub(crate) struct Plan {
+    scanned: usize,
+    /// The offered entries: their index in the queue, and whether each is an operation.
+    offered: Vec<(usize, bool)>,
+    /// The tensors the offered operations read or produce, for the IR of their drops.
+    seen: HashMap<TensorId, TensorIr>,
+}
+
+impl Plan {
+    /// How many entries at the queue's front the fuser has looked at.
+    pub(crate) fn scanned(&self) -> usize {
+        self.scanned
+    }
+
+    fn clear(&mut self) {
+        self.scanned = 0;
+        self.offered.clear();
+        self.seen.clear();
+    }
+
+    /// Whether an offered entry is an operation.
+    fn has_operation(&self) -> bool {
+        self.offered.iter().any(|(_, op)| *op)
+    }
+}
+
 impl<R: StreamRuntime> StreamState<R> {
     /// Execute every queued operation in order, on this stream, then apply deferred frees.
     pub(crate) fn execute_all(&mut self) {
+        self.execute_queue(false);
+    }
+
+    /// The queue reached its bound: execute it, except for a trailing run the fuser could still
+    /// extend (it stays queued, up to `max_fused_len` entries, so that one kernel covers it).
+    pub(crate) fn execute_lazily(&mut self) {
+        self.execute_queue(true);
+    }
+
+    fn execute_queue(&mut self, lazy: bool) {
         if !self.queue.is_empty() {
             let mut ops = std::mem::take(&mut self.queue);
             // Device work dispatched by the executors must land on this stream even when another
@@ -45,10 +88,17 @@ impl<R: StreamRuntime> StreamState<R> {
             let fusing = self.fuser.is_some() && self.fusion.load(Ordering::Relaxed);
             self.id.executes(|| match self.fuser.take() {
                 Some(mut fuser) if fusing => {
-                    self.execute_fusing(&mut ops, &mut *fuser);
+                    self.execute_fusing(&mut ops, &mut *fuser, lazy);
                     self.fuser = Some(fuser);
                 }
-                fuser => {
+                mut fuser => {
+                    // Fusion was switched off with a run planned: forget the plan.
+                    if let Some(fuser) = &mut fuser
+                        && self.plan.scanned > 0
+                    {
+                        fuser.reset();
+                    }
+                    self.plan.clear();
                     self.fuser = fuser;
                     for op in ops.drain(..) {
                         self.execute_entry(op);
@@ -56,12 +106,15 @@ impl<R: StreamRuntime> StreamState<R> {
                 }
             });
             // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
-            // empty: give it back its allocation.
+            // empty: give it back what is left (an open run) and its allocation.
             debug_assert!(self.queue.is_empty());
             self.queue = ops;
         }
-        for id in std::mem::take(&mut self.deferred_frees) {
-            self.free(id);
+        // A deferred free waits for every queued reader; an open run left queued may be one.
+        if self.queue.is_empty() {
+            for id in std::mem::take(&mut self.deferred_frees) {
+                self.free(id);
+            }
         }
     }
 
@@ -77,44 +130,64 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Execute the queue through `fuser`: each run it covers (two operations or more) as one
     /// fused execution, everything else operation by operation (see [`crate::runtime::Fuser`]).
-    fn execute_fusing(&mut self, ops: &mut Vec<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
-        let mut pending: VecDeque<QueuedOp<R>> = ops.drain(..).collect();
-        while !pending.is_empty() {
-            match self.plan_run(&pending, fuser) {
-                Some(end) => {
-                    let run: SmallVec<[QueuedOp<R>; 16]> = pending.drain(..end).collect();
-                    self.execute_run(run, fuser);
-                }
-                None => {
-                    let entry = pending.pop_front().expect("not empty");
+    /// With `lazy`, a trailing run the fuser still accepts stays in `ops`, planned.
+    fn execute_fusing(
+        &mut self,
+        ops: &mut VecDeque<QueuedOp<R>>,
+        fuser: &mut dyn Fuser<R>,
+        lazy: bool,
+    ) {
+        while !ops.is_empty() {
+            let closed = self.extend_plan(ops, fuser);
+            if lazy && !closed && self.plan.has_operation() {
+                return;
+            }
+            let covered = fuser.covered().min(self.plan.offered.len());
+            let offered = &self.plan.offered[..covered];
+            if offered.iter().filter(|(_, op)| *op).count() >= 2 {
+                let end = offered[covered - 1].0 + 1;
+                let run: Vec<QueuedOp<R>> = ops.drain(..end).collect();
+                self.execute_run(run, fuser);
+            } else {
+                // No run: the entries up to the first operation (drops the fuser never saw, or
+                // the refused entry itself) execute one by one.
+                let end = match self.plan.offered.iter().find(|(_, op)| *op) {
+                    Some((index, _)) => index + 1,
+                    None => self.plan.scanned.max(1),
+                };
+                for _ in 0..end {
+                    let entry = ops.pop_front().expect("a scanned entry");
                     self.execute_entry(entry);
                 }
             }
+            fuser.reset();
+            self.plan.clear();
         }
     }
 
-    /// Offer `pending` to a reset `fuser` from the front; the number of entries the run it
-    /// covers spans, if it covers two operations or more.
-    fn plan_run(&self, pending: &VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) -> Option<usize> {
-        fuser.reset();
-        // The tensors the offered operations read or produce, for the IR of their drops.
-        let mut seen: HashMap<TensorId, TensorIr> = HashMap::new();
-        // Where each offered entry is in `pending`, and whether it is an operation.
-        let mut offered: SmallVec<[(usize, bool); 16]> = SmallVec::new();
-        for (index, entry) in pending.iter().enumerate() {
+    /// Offer the entries of `ops` the plan has not looked at yet to `fuser`, in order. Returns
+    /// whether the run is closed: an entry was refused (it is left for the next run), or the
+    /// run is `max_fused_len` entries long. `false`: every entry was accepted.
+    fn extend_plan(&mut self, ops: &VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) -> bool {
+        let plan = &mut self.plan;
+        while let Some(entry) = ops.get(plan.scanned) {
+            if plan.scanned >= self.max_fused_len {
+                return true;
+            }
             match entry {
                 QueuedOp::Drop(id) => {
                     // A drop of a tensor the run never touched is not the fuser's concern: it
                     // is freed with the run (nothing after it may use the id).
-                    let Some(ir) = seen.get(id) else { continue };
-                    let dropped = TensorIr {
-                        status: TensorStatus::ReadWrite,
-                        ..ir.clone()
-                    };
-                    if !fuser.offer(&OperationIr::Drop(dropped), &self.handles) {
-                        break;
+                    if let Some(ir) = plan.seen.get(id) {
+                        let dropped = TensorIr {
+                            status: TensorStatus::ReadWrite,
+                            ..ir.clone()
+                        };
+                        if !fuser.offer(&OperationIr::Drop(dropped), &self.handles) {
+                            return true;
+                        }
+                        plan.offered.push((plan.scanned, false));
                     }
-                    offered.push((index, false));
                 }
                 QueuedOp::Op(op) => {
                     // An input with an error record (or no handle) ends the run: the operation
@@ -122,25 +195,24 @@ impl<R: StreamRuntime> StreamState<R> {
                     let failed = op
                         .inputs()
                         .into_iter()
-                        .any(|i| !seen.contains_key(&i.id) && !self.handles.has_handle(&i.id));
+                        .any(|i| !plan.seen.contains_key(&i.id) && !self.handles.has_handle(&i.id));
                     if failed || !fuser.offer(&op.repr(), &self.handles) {
-                        break;
+                        return true;
                     }
                     for ir in op.inputs().into_iter().chain(op.outputs()) {
-                        seen.insert(ir.id, ir.clone());
+                        plan.seen.entry(ir.id).or_insert_with(|| ir.clone());
                     }
-                    offered.push((index, true));
+                    plan.offered.push((plan.scanned, true));
                 }
             }
+            plan.scanned += 1;
         }
-        let covered = fuser.covered().min(offered.len());
-        let ops = offered[..covered].iter().filter(|(_, op)| *op).count();
-        (ops >= 2).then(|| offered[covered - 1].0 + 1)
+        false
     }
 
     /// Execute a planned run: the fused kernels in one error scope, then each entry's
     /// bookkeeping in queue order.
-    fn execute_run(&mut self, run: SmallVec<[QueuedOp<R>; 16]>, fuser: &mut dyn Fuser<R>) {
+    fn execute_run(&mut self, run: Vec<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
         let (handles, context) = (&mut self.handles, &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| fuser.execute(handles, context)));
         let failure = match outcome {

@@ -39,6 +39,12 @@ pub struct EngineConfig {
     /// Whether streams fuse their queued operations into fewer kernels where the runtime can
     /// (see [`crate::runtime::Fuser`]). Default on; a runtime that does not fuse ignores it.
     pub fusion: bool,
+    /// The longest run of operations one fused kernel may cover. When a stream reaches
+    /// `max_queue_len`, a run the fuser could still extend stays queued (so that one kernel
+    /// covers it, as burn-fusion does until its fuser closes) until it reaches this length or
+    /// the stream drains. Bounds the pending work a fusing stream holds, and the size of a
+    /// fused kernel. Default 512; at least `max_queue_len`.
+    pub max_fused_len: usize,
 }
 
 impl Default for EngineConfig {
@@ -47,6 +53,7 @@ impl Default for EngineConfig {
             max_queue_len: 32,
             max_deferred_free_delay: Duration::from_millis(10),
             fusion: true,
+            max_fused_len: 512,
         }
     }
 }
@@ -55,6 +62,12 @@ impl EngineConfig {
     /// Settings with the given queue bound (clamped to at least 1).
     pub fn with_max_queue_len(mut self, max_queue_len: usize) -> Self {
         self.max_queue_len = max_queue_len.max(1);
+        self
+    }
+
+    /// Settings with the given bound on fused runs (see [`EngineConfig::max_fused_len`]).
+    pub fn with_max_fused_len(mut self, max_fused_len: usize) -> Self {
+        self.max_fused_len = max_fused_len;
         self
     }
 
@@ -272,6 +285,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             context,
             config: EngineConfig {
                 max_queue_len: config.max_queue_len.max(1),
+                max_fused_len: config.max_fused_len.max(config.max_queue_len.max(1)),
                 ..config
             },
             streams: RwLock::new(HashMap::new()),

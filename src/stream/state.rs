@@ -1,6 +1,7 @@
 //! The state of one stream: its lazy queue, the handles of the tensors it is home to, their error
 //! records, and the bookkeeping for shares and frees.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -75,9 +76,12 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) context: Arc<R::Context>,
     pub(crate) max_queue_len: usize,
     pub(crate) max_deferred_free_delay: Duration,
-    pub(crate) queue: Vec<QueuedOp<R>>,
+    pub(crate) queue: VecDeque<QueuedOp<R>>,
     /// The runtime's kernel fuser for this stream, if the runtime fuses.
     pub(crate) fuser: Option<Box<dyn crate::runtime::Fuser<R>>>,
+    /// What the fuser has been offered of the queue's front (see `execution`).
+    pub(crate) plan: super::execution::Plan,
+    pub(crate) max_fused_len: usize,
     /// The engine's switch for fusion (see `MultiStream::set_fusion`).
     pub(crate) fusion: Arc<std::sync::atomic::AtomicBool>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
@@ -120,7 +124,9 @@ impl<R: StreamRuntime> StreamState<R> {
             context,
             max_queue_len: config.max_queue_len,
             max_deferred_free_delay: config.max_deferred_free_delay,
-            queue: Vec::new(),
+            queue: VecDeque::new(),
+            plan: Default::default(),
+            max_fused_len: config.max_fused_len,
             handles: HandleContainer::new(),
             errors: HashMap::new(),
             shared_sources: HashSet::new(),
@@ -276,14 +282,19 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 
     /// Add an operation; run the queue when it reaches its bound.
+    ///
+    /// The bound counts the operations the fuser has not looked at yet: an open fused run kept
+    /// queued by the last flush (at most `max_fused_len` entries, see `execution`) does not
+    /// count again.
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
-        self.queue.push(op);
+        self.queue.push_back(op);
         // An exiting thread runs nothing (see `local`): its stream is drained by the service
         // thread instead.
-        if self.queue.len() >= self.max_queue_len && !super::local::exiting() {
+        if self.queue.len() - self.plan.scanned() >= self.max_queue_len && !super::local::exiting()
+        {
             self.counters.lazy_flushes += 1;
             tracing::trace!(stream = %self.id, ops = self.queue.len(), "lazy flush: queue bound reached");
-            self.execute_all();
+            self.execute_lazily();
         }
     }
 
