@@ -303,3 +303,53 @@ fn unfusable_work_still_executes_at_the_queue_bound() {
     drop((x, sums));
     assert_nothing_held(&c);
 }
+
+/// A foreign drop of a tensor that an open run (kept queued past the bound) reads waits for
+/// that run; one whose readers have executed is freed at the flush that ran them, even though
+/// an open run stays queued behind them.
+#[test]
+fn a_foreign_drop_waits_only_for_the_queued_runs_that_read_it() {
+    let config = EngineConfig::default()
+        .with_max_queue_len(4)
+        .with_max_deferred_free_delay(std::time::Duration::from_secs(3600));
+    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let (x, y) = (f32s(&c, &[1.0, 2.0]), f32s(&c, &[3.0, 4.0]));
+    let (x_id, y_id, home) = (x.id(), y.id(), x.stream());
+
+    // An open run reads `x`: dropping `x` on another thread defers its free.
+    let mut t = x.scale(2.0).unwrap();
+    for _ in 0..5 {
+        t = t.scale(0.5).unwrap();
+    }
+    let s = c.stats();
+    assert!(s.lazy_flushes > 0 && s.fused_kernels == 0, "open: {s:?}");
+    std::thread::spawn(move || drop(x)).join().unwrap();
+    assert!(c.streams().holds(home, x_id).unwrap());
+    assert_eq!(c.stats().deferred_frees_pending, 1);
+    assert_eq!(values(&t), vec![2.0 / 32.0, 4.0 / 32.0]);
+    assert!(
+        !c.streams().holds(home, x_id).unwrap(),
+        "freed by the drain"
+    );
+
+    // `y` is read only by an operation the fuser refuses (a sum).
+    let total = y.sum().unwrap();
+    std::thread::spawn(move || drop(y)).join().unwrap();
+    assert_eq!(c.stats().deferred_frees_pending, 1);
+    // The flush at the bound runs the sum; the run behind it stays open and does not read
+    // `y`, which is freed.
+    let mut u = total.scale(2.0).unwrap();
+    for _ in 0..3 {
+        u = u.scale(1.0).unwrap();
+    }
+    let s = c.stats();
+    assert!(
+        s.pending_ops > 0 && s.lazy_flushes >= 3,
+        "an open run is queued: {s:?}"
+    );
+    assert_eq!(s.deferred_frees_pending, 0, "{s:?}");
+    assert!(!c.streams().holds(home, y_id).unwrap());
+    assert_eq!(values(&u), vec![14.0]);
+    drop((t, total, u));
+    assert_nothing_held(&c);
+}

@@ -111,8 +111,10 @@ impl<R: StreamRuntime> StreamState<R> {
             self.queue = ops;
         }
         // A deferred free waits for every queued reader; an open run left queued may be one.
-        if self.queue.is_empty() {
-            for id in std::mem::take(&mut self.deferred_frees) {
+        for id in std::mem::take(&mut self.deferred_frees) {
+            if self.queue_references(id) {
+                self.deferred_frees.push(id);
+            } else {
                 self.free(id);
             }
         }

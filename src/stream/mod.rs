@@ -113,7 +113,8 @@ pub struct EngineStats {
     pub ops_failed: u64,
     /// Operations skipped because an input carried an error.
     pub ops_skipped: u64,
-    /// Times a queue reached its bound and executed.
+    /// Times a queue reached its bound (counting only entries its fuser had not yet planned)
+    /// and executed.
     pub lazy_flushes: u64,
     /// Drains that executed a non-empty queue (reads, syncs, shares).
     pub drains: u64,
@@ -400,7 +401,8 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// `commit` runs first, in the same critical section: it settles the operands (a `ReadWrite`
     /// operand is released to the operation and leaves `shared_sources`) and builds the outputs.
     /// Then the operation is enqueued; if the queue reaches its bound, the stream executes what
-    /// it has. Deciding operand statuses and enqueueing under one lock is what keeps a concurrent
+    /// it has (but for a trailing run its fuser still extends: [`EngineConfig::max_fused_len`]).
+    /// Deciding operand statuses and enqueueing under one lock is what keeps a concurrent
     /// last drop on another thread from freeing an operand first.
     pub(crate) fn register<B: IntoQueued<R>, T>(
         &self,

@@ -236,7 +236,7 @@ impl<R: StreamRuntime> StreamState<R> {
     ///
     /// Frees at once unless a pending operation reads `id` or has yet to produce it; then the free
     /// waits for the pending segment, which runs when the home thread reads, syncs, shares, fills
-    /// its queue or exits — and at the latest `max_deferred_free_delay` after this drop, when the
+    /// its queue (and leaves no open fused run queued) or exits — and at the latest `max_deferred_free_delay` after this drop, when the
     /// engine's service thread runs it (see `service`).
     pub(crate) fn foreign_drop(&mut self, id: TensorId) {
         self.counters.foreign_drops += 1;
@@ -258,7 +258,7 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 
     /// Whether a queued operation reads `id` or produces it.
-    fn queue_references(&self, id: TensorId) -> bool {
+    pub(crate) fn queue_references(&self, id: TensorId) -> bool {
         fn names<R: StreamRuntime, B: OpBody<R> + ?Sized>(op: &B, id: TensorId) -> bool {
             op.inputs()
                 .into_iter()
