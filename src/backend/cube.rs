@@ -1,11 +1,15 @@
-//! Kernel fusion for `StreamFusion<CubeBackend<R, ..>>` (feature `cuda`): a stream's runs of
-//! elementwise operations go through burn-cubecl-fusion 0.21's elementwise fuser and execute as
-//! one [`ElemwiseOptimization`] kernel each.
+//! Kernel fusion for `StreamFusion<CubeBackend<R, ..>>` (feature `cuda`): a stream's runs go
+//! through burn-cubecl-fusion 0.21's fusers and execute as one [`CubeOptimization`] kernel each:
+//! a run that starts with a matmul through the matmul fuser (the matmul with the elementwise
+//! operations after it as its epilogue), any other run through the elementwise fuser. The matmul
+//! optimization's fallback (what it runs when its fused kernel does not apply, and what autotune
+//! measures it against) is the backend's own `float_matmul` on the run's handles. The reduce
+//! fusers are not used yet: a reduction runs unfused, between runs.
 //!
 //! The fuser consumes burn-fusion's *relative* IR: tensor ids renumbered in order of first
 //! appearance in the run, every dimension replaced by an id per distinct size (size 1 is id 0),
 //! and every scalar replaced by an id into a table. burn-fusion's converter is private, so the
-//! conversion is written here, for the operations the elementwise fuser accepts; any other
+//! conversion is written here, for the operations these fusers accept; any other
 //! operation ends the run (and runs unfused). The fused kernel reads the [`Context`] built from
 //! the same conversion of exactly the covered operations, so a status seen only by an operation
 //! after the run (a later consuming use) never leaks into it.
@@ -17,19 +21,21 @@
 //! it a fresh output instead (the engine still releases it after the run).
 
 use std::borrow::Cow;
+use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use burn_backend::{Shape, StreamId};
+use burn_backend::{DType, Shape, StreamId};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_cubecl_fusion::CubeFusionHandle;
 use burn_cubecl_fusion::optim::CubeOptimization;
-use burn_cubecl_fusion::optim::elemwise::{ElementWiseFuser, ElemwiseOptimization};
+use burn_cubecl_fusion::optim::elemwise::ElementWiseFuser;
+use burn_cubecl_fusion::optim::matmul::MatmulFuser;
+use burn_cubecl_fusion::{CubeFusionHandle, FallbackOperation};
 use burn_fusion::stream::{Context, ScalarId};
 use burn_fusion::{FuserStatus, OperationFuser};
 use burn_ir::{
-    BaseOperationIr, BinaryOpIr, CastOpIr, ClampOpIr, FloatOperationIr, HandleContainer,
-    MaskFillOpIr, MaskWhereOpIr, NumericOperationIr, OperationIr, ScalarIr, ScalarOpIr, ShapeOpIr,
-    SwapDimsOpIr, TensorId, TensorIr, TensorStatus, UnaryOpIr,
+    BackendIr, BaseOperationIr, BinaryOpIr, CastOpIr, ClampOpIr, FloatOperationIr, HandleContainer,
+    MaskFillOpIr, MaskWhereOpIr, MatmulOpIr, NumericOperationIr, OperationIr, ScalarIr, ScalarOpIr,
+    ShapeOpIr, SwapDimsOpIr, TensorId, TensorIr, TensorStatus, UnaryOpIr,
 };
 use hashbrown::HashMap;
 use smallvec::SmallVec;
@@ -47,8 +53,12 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 pub fn cube_fuser<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     device: &R::Device,
 ) -> CubeStreamFuser<R, F, I, BT> {
-    Box::new(CubeFuser::<R> {
+    Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>> {
         elementwise: ElementWiseFuser::new(device.clone()),
+        matmul: MatmulFuser::new(device.clone()),
+        kind: Kind::Elementwise,
+        fallback: None,
+        backend: PhantomData,
         live: true,
         offered_relative: Vec::new(),
         relative: Relative::default(),
@@ -67,12 +77,22 @@ struct Key(OperationIr);
 
 impl Eq for Key {}
 
-/// One relative prefix a fuser has seen: whether the elementwise fuser took its last
-/// operation, what follows it, and the kernel of a run that ends here, once built.
+/// One relative prefix a fuser has seen: whether the run's fuser took its last operation, what
+/// follows it, and the kernel of a run that ends here, once built.
 struct Node<R: CubeRuntime> {
     accepted: bool,
     next: HashMap<Key, usize>,
-    optimization: Option<std::sync::Arc<ElemwiseOptimization<R>>>,
+    optimization: Option<CubeOptimization<R>>,
+}
+
+/// Which of burn-cubecl-fusion's fusers a run goes through: a run that starts with a matmul
+/// goes through the matmul fuser (the matmul and the elementwise operations after it, in one
+/// kernel), any other run through the elementwise fuser. Each closes on what the other starts
+/// with, so the first operation decides.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Elementwise,
+    Matmul,
 }
 
 impl<R: CubeRuntime> Default for Node<R> {
@@ -89,8 +109,15 @@ impl<R: CubeRuntime> Default for Node<R> {
 /// its decisions and its kernels are remembered per relative prefix (a trie of runs, as
 /// burn-fusion caches its optimizations by relative graph): a run seen before costs a lookup
 /// per operation and no fuser work, and the fuser itself only runs on a new prefix.
-struct CubeFuser<R: CubeRuntime> {
+struct CubeFuser<R: CubeRuntime, B> {
     elementwise: ElementWiseFuser<R>,
+    matmul: MatmulFuser<R>,
+    /// The fuser of the current run.
+    kind: Kind,
+    /// A matmul run's matmul, as offered (global ids): what the optimization runs unfused when
+    /// its fused kernel cannot (burn's fallback).
+    fallback: Option<MatmulOpIr>,
+    backend: PhantomData<fn() -> B>,
     /// Whether `elementwise` has been fed exactly `offered_relative` since its last reset.
     live: bool,
     /// The accepted operations in relative form, to replay into the fuser on a new prefix.
@@ -103,21 +130,27 @@ struct CubeFuser<R: CubeRuntime> {
     at: usize,
 }
 
-impl<R: CubeRuntime> CubeFuser<R> {
-    /// The fuser, fed exactly the accepted prefix (replayed into a fresh one if it lagged).
-    fn fed(&mut self) -> &mut ElementWiseFuser<R> {
+impl<R: CubeRuntime, B> CubeFuser<R, B> {
+    /// The run's fuser, fed exactly the accepted prefix (replayed into a fresh one if it
+    /// lagged).
+    fn fed(&mut self) -> &mut dyn OperationFuser<CubeOptimization<R>> {
+        let fuser: &mut dyn OperationFuser<CubeOptimization<R>> = match self.kind {
+            Kind::Elementwise => &mut self.elementwise,
+            Kind::Matmul => &mut self.matmul,
+        };
         if !self.live {
-            OperationFuser::<CubeOptimization<R>>::reset(&mut self.elementwise);
+            fuser.reset();
             for op in &self.offered_relative {
-                self.elementwise.fuse(op);
+                fuser.fuse(op);
             }
             self.live = true;
         }
-        &mut self.elementwise
+        fuser
     }
 }
 
-impl<R, F, I, BT> Fuser<BackendRuntime<CubeBackend<R, F, I, BT>>> for CubeFuser<R>
+impl<R, F, I, BT> Fuser<BackendRuntime<CubeBackend<R, F, I, BT>>>
+    for CubeFuser<R, CubeBackend<R, F, I, BT>>
 where
     R: CubeRuntime,
     F: FloatElement,
@@ -132,16 +165,29 @@ where
         // From here on, a refusal takes the operation's conversion back: the context must hold
         // exactly the accepted operations (a refused consuming use would otherwise change the
         // status of a tensor the kernel reads).
+        let first = self.offered_relative.is_empty();
+        if first {
+            let matmul = matmul(&op);
+            self.kind = if matmul.is_some() {
+                Kind::Matmul
+            } else {
+                Kind::Elementwise
+            };
+            self.fallback = matmul.cloned();
+        }
         let key = Key(relative);
         let (next, fed_now) = match self.runs[self.at].next.get(&key) {
             Some(next) => (*next, false),
             None => {
-                // A new prefix: ask the fuser, and remember its answer.
+                // A new prefix: ask the fuser, and remember its answer. The matmul fuser counts
+                // its matmul before it takes it; it takes it unless it closes.
+                let kind = self.kind;
                 let fuser = self.fed();
                 let accepted = !matches!(fuser.status(), FuserStatus::Closed) && {
                     let before = fuser.len();
                     fuser.fuse(&key.0);
-                    fuser.len() > before
+                    let open = !matches!(fuser.status(), FuserStatus::Closed);
+                    fuser.len() > before || (first && kind == Kind::Matmul && open)
                 };
                 self.runs.push(Node {
                     accepted,
@@ -173,26 +219,23 @@ where
         handles: &mut HandleContainer<CubeFusionHandle<R>>,
         _: &super::BackendContext<CubeBackend<R, F, I, BT>>,
     ) -> Result<usize> {
-        let optimization = match &self.runs[self.at].optimization {
-            Some(known) => known.clone(),
-            None => {
-                let built = OperationFuser::<CubeOptimization<R>>::finish(self.fed());
-                let CubeOptimization::ElementWise(optimization) = built else {
-                    return Err(Error::Runtime(
-                        "the elementwise fuser built another kind of optimization".into(),
-                    ));
-                };
-                let optimization = std::sync::Arc::new(optimization);
-                self.runs[self.at].optimization = Some(optimization.clone());
-                optimization
-            }
-        };
-        run(&optimization, std::mem::take(&mut self.relative), handles)?;
+        if self.runs[self.at].optimization.is_none() {
+            let built = self.fed().finish();
+            self.runs[self.at].optimization = Some(built);
+        }
+        let relative = std::mem::take(&mut self.relative);
+        let fallback = self.fallback.take();
+        let optimization = self.runs[self.at]
+            .optimization
+            .as_mut()
+            .expect("built above");
+        run::<R, CubeBackend<R, F, I, BT>>(optimization, fallback, relative, handles)?;
         Ok(1)
     }
 
     fn reset(&mut self) {
         self.offered_relative.clear();
+        self.fallback = None;
         self.relative = Relative::default();
         self.at = 0;
         self.live = false;
@@ -206,8 +249,9 @@ where
 
 /// Run the fused kernel over the stream's handles, which the context owns for the call and
 /// always gives back (a panic included: it becomes the run's error).
-fn run<R: CubeRuntime>(
-    optimization: &ElemwiseOptimization<R>,
+fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
+    optimization: &mut CubeOptimization<R>,
+    fallback: Option<MatmulOpIr>,
     relative: Relative,
     handles: &mut HandleContainer<CubeFusionHandle<R>>,
 ) -> Result<()> {
@@ -217,9 +261,63 @@ fn run<R: CubeRuntime>(
         scalars: relative.scalars,
         shapes_relative2global: relative.shapes_relative2global,
     };
-    let outcome = catch_unwind(AssertUnwindSafe(|| optimization.execute(&mut context)));
+    let outcome = catch_unwind(AssertUnwindSafe(|| match optimization {
+        CubeOptimization::ElementWise(elementwise) => {
+            elementwise.execute(&mut context);
+            Ok(())
+        }
+        CubeOptimization::Matmul(matmul) => {
+            let Some(ir) = fallback else {
+                return Err(Error::Runtime("a matmul run without its matmul".into()));
+            };
+            matmul.execute(&mut context, move |_| {
+                Box::new(MatmulFallback::<B> {
+                    ir,
+                    backend: PhantomData,
+                })
+            });
+            Ok(())
+        }
+        _ => Err(Error::Runtime(
+            "a fuser built an optimization this crate does not run".into(),
+        )),
+    }));
     *handles = context.handles;
-    outcome.map_err(|payload| Error::from_kernel_panic("fused elementwise", payload))
+    outcome.map_err(|payload| Error::from_kernel_panic("fused kernel", payload))?
+}
+
+/// A matmul run's matmul, run by the backend on the run's handles (global ids): what burn's
+/// matmul optimization runs when its fused kernel does not apply, or while autotuning.
+struct MatmulFallback<B> {
+    ir: MatmulOpIr,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static> FallbackOperation<R>
+    for MatmulFallback<B>
+{
+    fn run(&self, context: &mut Context<CubeFusionHandle<R>>) {
+        let lhs = context.handles.get_float_tensor::<B>(&self.ir.lhs);
+        let rhs = context.handles.get_float_tensor::<B>(&self.ir.rhs);
+        let out = B::float_matmul(lhs, rhs);
+        context
+            .handles
+            .register_float_tensor::<B>(&self.ir.out.id, out);
+    }
+}
+
+/// `op`'s IR if it is a matmul of (unquantized) float tensors: what starts a matmul run.
+fn matmul(op: &OperationIr) -> Option<&MatmulOpIr> {
+    match op {
+        OperationIr::Float(_, FloatOperationIr::Matmul(ir)) if unquantized(ir) => Some(ir),
+        _ => None,
+    }
+}
+
+/// Whether neither operand of a matmul is quantized (the matmul fuser's quantized path is
+/// not taken here).
+fn unquantized(ir: &MatmulOpIr) -> bool {
+    !matches!(ir.lhs.dtype, DType::QFloat(_)) && !matches!(ir.rhs.dtype, DType::QFloat(_))
 }
 
 /// `op`, with every consumed input that another stream allocated marked `ReadOnly` (see the
@@ -419,6 +517,11 @@ impl Relative {
             O::Recip(ir) => O::Recip(self.unary(ir)),
             O::Powf(ir) => O::Powf(self.binary(ir)),
             O::PowfScalar(ir) => O::PowfScalar(self.scalar_op(ir)),
+            O::Matmul(ir) => O::Matmul(MatmulOpIr {
+                lhs: self.tensor(&ir.lhs),
+                rhs: self.tensor(&ir.rhs),
+                out: self.tensor(&ir.out),
+            }),
             _ => unreachable!("checked by `fusable`"),
         }
     }
@@ -504,6 +607,7 @@ fn fusable(op: &OperationIr) -> bool {
             Fl::Exp(_) | Fl::Log(_) | Fl::Log1p(_) | Fl::Cos(_) | Fl::Sin(_) | Fl::Tanh(_) => true,
             Fl::Sqrt(_) | Fl::Erf(_) | Fl::Recip(_) | Fl::Powf(_) => true,
             Fl::PowfScalar(ir) => scalar(&ir.rhs),
+            Fl::Matmul(ir) => unquantized(ir),
             _ => false,
         },
         OperationIr::NumericFloat(_, op) | OperationIr::NumericInt(_, op) => match op {

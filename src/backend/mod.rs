@@ -15,8 +15,9 @@
 //! * `into_data` does its eager part at the call (drain the stream, take the handle) and returns
 //!   `B`'s own future for the copy; `sync` drains the calling thread's stream, then runs `B::sync`.
 //! * with the `cuda` feature, `StreamFusion<CubeBackend<CudaRuntime, ..>>` fuses each run of
-//!   elementwise operations into one kernel when a stream drains, through burn-cubecl-fusion's
-//!   elementwise fuser (`cube_fuser`; switch it with [`crate::MultiStream::set_fusion`]). Other
+//!   elementwise operations, and each matmul with the elementwise operations after it, into one
+//!   kernel, through burn-cubecl-fusion's fusers (`cube_fuser`; switch it with
+//!   [`crate::MultiStream::set_fusion`]). Other
 //!   backends run operation by operation unless a fuser is registered for them
 //!   ([`register_fuser`]).
 //!
