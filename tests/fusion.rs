@@ -228,6 +228,11 @@ fn fusion_can_be_switched_at_run_time() {
     assert_eq!(c.stats().fused_kernels, 2);
 }
 
+/// A fusing host device's engine with `config`.
+fn fusing_with(config: EngineConfig) -> Client {
+    FusionClient::with_config(HostDevice::default().fusing(), config).expect("host device")
+}
+
 /// A chain `n` operations long on `c`, each step dropping its input (so the queue holds a drop
 /// after every operation), alternating so that values stay bounded.
 fn long_chain(c: &Client, n: usize) -> Tensor {
@@ -247,10 +252,7 @@ fn long_chain(c: &Client, n: usize) -> Tensor {
 #[test]
 fn a_run_longer_than_the_queue_bound_is_still_one_kernel() {
     let config = EngineConfig::default().with_max_queue_len(8);
-    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
-    let u: Client =
-        FusionClient::with_config(HostDevice::default().fusing(), config.with_fusion(false))
-            .unwrap();
+    let (c, u) = (fusing_with(config), fusing_with(config.with_fusion(false)));
     let (t, reference) = (long_chain(&c, 100), long_chain(&u, 100));
     let s = c.stats();
     assert!(s.lazy_flushes >= 20, "the bound was reached: {s:?}");
@@ -271,10 +273,7 @@ fn max_fused_len_cuts_a_long_run() {
     let config = EngineConfig::default()
         .with_max_queue_len(8)
         .with_max_fused_len(64);
-    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
-    let u: Client =
-        FusionClient::with_config(HostDevice::default().fusing(), config.with_fusion(false))
-            .unwrap();
+    let (c, u) = (fusing_with(config), fusing_with(config.with_fusion(false)));
     let (t, reference) = (long_chain(&c, 100), long_chain(&u, 100));
     let s = c.stats();
     assert!(s.pending_ops <= 64 + 8, "bounded: {s:?}");
@@ -293,7 +292,7 @@ fn max_fused_len_cuts_a_long_run() {
 #[test]
 fn unfusable_work_still_executes_at_the_queue_bound() {
     let config = EngineConfig::default().with_max_queue_len(8);
-    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let c = fusing_with(config);
     let x = f32s(&c, &[1.0, 2.0, 3.0]);
     let sums: Vec<Tensor> = (0..50).map(|_| x.sum().unwrap()).collect();
     let s = c.stats();
@@ -312,7 +311,7 @@ fn a_foreign_drop_waits_only_for_the_queued_runs_that_read_it() {
     let config = EngineConfig::default()
         .with_max_queue_len(4)
         .with_max_deferred_free_delay(std::time::Duration::from_secs(3600));
-    let c: Client = FusionClient::with_config(HostDevice::default().fusing(), config).unwrap();
+    let c = fusing_with(config);
     let (x, y) = (f32s(&c, &[1.0, 2.0]), f32s(&c, &[3.0, 4.0]));
     let (x_id, y_id, home) = (x.id(), y.id(), x.stream());
 
