@@ -546,4 +546,49 @@ mod cuda_fusion {
         client.sync().unwrap();
         assert!(client.stats().fused_kernels >= 1);
     }
+
+    /// The same hazard without fusion: thread B's first operation on a moved tensor is a view
+    /// of the main thread's buffer (a reshape keeps the buffer), and once the main thread's own
+    /// id is freed that view is the buffer's only owner, so burn-cubecl's `can_mut` alone would
+    /// let B's unfused chain write it in place, on B's stream, where a reader on thread C (which
+    /// cubecl orders after the allocating stream only) cannot see it. `Fuser::keeps_read_only`
+    /// gives B fresh buffers instead.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn an_unfused_chain_on_a_moved_view_is_complete_on_a_third_thread() {
+        use std::sync::mpsc::channel;
+        let device = Default::default();
+        let client = Ours::client(&device);
+        let n = 1 << 26;
+        let chain = |x: Tensor<_, 1>| {
+            let mut t = x * 2.0;
+            for _ in 0..10 {
+                t = (t + 1.0) * 0.5;
+            }
+            t.exp()
+        };
+        client.streams().set_fusion(false);
+        let (x, _) = inputs::<Ours>(n, &device);
+        let (viewed, go) = (channel(), channel::<()>());
+        let on_b = std::thread::spawn(move || {
+            let x = x.reshape([n]);
+            viewed.0.send(()).unwrap();
+            go.1.recv().unwrap();
+            chain(x)
+        });
+        viewed.1.recv().unwrap();
+        // The main thread's queued drop of its id runs now: B's view is the only owner.
+        client.streams().drain_all();
+        go.0.send(()).unwrap();
+        let on_b = on_b.join().unwrap();
+        let got = std::thread::spawn(move || on_b.into_data()).join().unwrap();
+        client.streams().set_fusion(true);
+        let (x, _) = inputs::<Plain>(n, &device);
+        let mut t = x * 2.0;
+        for _ in 0..10 {
+            t = (t + 1.0) * 0.5;
+        }
+        let want = t.exp().into_data();
+        assert_eq!(got, want, "unfused StreamFusion is CubeBackend bit for bit");
+    }
 }

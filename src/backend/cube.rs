@@ -14,11 +14,14 @@
 //! the same conversion of exactly the covered operations, so a status seen only by an operation
 //! after the run (a later consuming use) never leaks into it.
 //!
-//! In place: burn-cubecl-fusion writes a `ReadWrite` input in place when its handle has no
-//! other owner (`can_mut`), which already keeps views safe. This crate's CUDA rule adds that
-//! a buffer is written in place only on the stream that allocated it (see [`crate::cuda`]): a
-//! consumed input allocated on another stream is offered as `ReadOnly`, so the fused kernel gives
-//! it a fresh output instead (the engine still releases it after the run).
+//! In place: burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
+//! handle has no other owner (`can_mut`), which already keeps views safe. This crate's CUDA rule
+//! adds that a buffer is written in place only on the stream that allocated it (see
+//! [`crate::cuda`]): cubecl orders another stream's access to a buffer after the *allocating*
+//! stream's work, so a write on a third stream would be invisible to it. A consumed input
+//! allocated on another stream is offered to the fusers as `ReadOnly`, so the fused kernel gives
+//! it a fresh output instead (the engine still releases it after the run); an operation that
+//! runs unfused gets the same rule through [`Fuser::keeps_read_only`].
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -233,6 +236,10 @@ where
         Ok(1)
     }
 
+    fn keeps_read_only(&self, handle: &CubeFusionHandle<R>) -> bool {
+        allocated_elsewhere(handle)
+    }
+
     fn reset(&mut self) {
         self.offered_relative.clear();
         self.fallback = None;
@@ -326,14 +333,13 @@ fn allocated_here_or_read_only<'a, R: CubeRuntime>(
     op: &'a OperationIr,
     handles: &HandleContainer<CubeFusionHandle<R>>,
 ) -> Cow<'a, OperationIr> {
-    let current = StreamId::current();
     let foreign: SmallVec<[TensorId; 2]> = op
         .inputs()
         .filter(|input| input.status == TensorStatus::ReadWrite)
         .filter(|input| {
             handles
                 .get_handle_ref(&input.id)
-                .is_some_and(|h| h.handle.stream != current)
+                .is_some_and(allocated_elsewhere)
         })
         .map(|input| input.id)
         .collect();
@@ -343,6 +349,12 @@ fn allocated_here_or_read_only<'a, R: CubeRuntime>(
     let mut op = op.clone();
     op.mark_read_only(&foreign);
     Cow::Owned(op)
+}
+
+/// Whether another stream than the current one allocated `handle`'s buffer: then it is never
+/// written in place here (see the module docs).
+fn allocated_elsewhere<R: CubeRuntime>(handle: &CubeFusionHandle<R>) -> bool {
+    handle.handle.stream != StreamId::current()
 }
 
 /// burn-fusion's relative form of a run (see the module docs), built one operation at a time;

@@ -55,4 +55,19 @@ pub trait Fuser<R: StreamRuntime>: Send {
 
     /// Forget everything offered.
     fn reset(&mut self);
+
+    /// Whether an operation that runs *without* fusion must leave `handle`, one of its consumed
+    /// (`ReadWrite`) inputs, unwritten. The engine then holds a second owner of the handle while
+    /// the operation runs, so the backend's own in-place check (cubecl's `can_mut`, NdArray's
+    /// `is_unique`) refuses and the operation writes a fresh buffer. A fused run applies the
+    /// same rule itself, when it is offered the operation (see [`Fuser::offer`]).
+    ///
+    /// This is where a backend's stream rules reach operations that no fuser sees: the CUDA
+    /// backends keep a buffer that another stream allocated read-only (`cube_fuser` in
+    /// [`crate::backend`], feature `cuda`). It is asked whether fusion is on or off. By
+    /// default, nothing is kept read-only.
+    fn keeps_read_only(&self, handle: &R::FusionHandle) -> bool {
+        let _ = handle;
+        false
+    }
 }

@@ -99,10 +99,10 @@ impl<R: StreamRuntime> StreamState<R> {
                         fuser.reset();
                     }
                     self.plan.clear();
-                    self.fuser = fuser;
                     for op in ops.drain(..) {
-                        self.execute_entry(op);
+                        self.execute_entry(op, fuser.as_deref());
                     }
+                    self.fuser = fuser;
                 }
             });
             // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
@@ -120,11 +120,12 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    fn execute_entry(&mut self, entry: QueuedOp<R>) {
+    /// Execute one queued entry without fusion (`fuser`: the stream's, for its in-place rule).
+    fn execute_entry(&mut self, entry: QueuedOp<R>, fuser: Option<&dyn Fuser<R>>) {
         match entry {
             QueuedOp::Drop(id) => self.free(id),
             QueuedOp::Op(op) => {
-                self.execute_one(&*op);
+                self.execute_one(&*op, fuser);
                 self.dispose(op);
             }
         }
@@ -159,7 +160,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 };
                 for _ in 0..end {
                     let entry = ops.pop_front().expect("a scanned entry");
-                    self.execute_entry(entry);
+                    self.execute_entry(entry, Some(&*fuser));
                 }
             }
             fuser.reset();
@@ -275,7 +276,7 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
+    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B, fuser: Option<&dyn Fuser<R>>) {
         self.counters.ops_executed += 1;
 
         if let Some(error) = self.input_failure(op) {
@@ -292,8 +293,22 @@ impl<R: StreamRuntime> StreamState<R> {
             return;
         }
 
+        // Consumed inputs the stream's rules keep read-only get a second owner for the call
+        // (see `Fuser::keeps_read_only`); it is released right after.
+        let kept: SmallVec<[R::FusionHandle; 2]> = match fuser {
+            Some(fuser) => op
+                .inputs()
+                .into_iter()
+                .filter(|input| input.status == TensorStatus::ReadWrite)
+                .filter_map(|input| self.handles.get_handle_ref(&input.id))
+                .filter(|handle| fuser.keeps_read_only(handle))
+                .cloned()
+                .collect(),
+            None => SmallVec::new(),
+        };
         let (handles, context) = (&mut self.handles, &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
+        drop(kept);
         let failure = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(error)) => Some(error),
