@@ -9,7 +9,9 @@
 //! 2. `short-chain/<n>`: 100 times a chain of 16 elementwise ops and a read: one fusable chain's
 //!    latency;
 //! 3. `threads/<T>`: T threads, each running a small MLP forward pass repeatedly on its own
-//!    data (its own stream), against the same on plain `B`: how the engine scales with threads.
+//!    data (its own stream), against the same on plain `B`: how the engine scales with threads;
+//! 4. `softmax/<rows>`: 100 times a softmax along the rows of a `[rows, 512]` tensor and a read:
+//!    reductions with elementwise work around them (the reduce fusers' case).
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
@@ -27,7 +29,7 @@
 use std::time::{Duration, Instant};
 
 use burn_backend::Backend;
-use burn_tensor::activation::relu;
+use burn_tensor::activation::{relu, softmax};
 use burn_tensor::{Tensor, TensorData};
 use fusion_streams::backend::StreamFusion;
 
@@ -87,6 +89,18 @@ fn short_chain<B: Backend>(device: &B::Device, n: usize, reps: usize) -> Duratio
             };
         }
         std::hint::black_box(t.into_data());
+    }
+    start.elapsed()
+}
+
+/// `reps` times a softmax along the rows of a `[rows, 512]` tensor, scaled first, then a read.
+fn softmax_rows<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Duration {
+    let x = Tensor::<B, 1>::from_data(data(rows * 512, 5), device).reshape([rows, 512]);
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..reps {
+        let y = softmax(x.clone() * 4.0, 1);
+        std::hint::black_box(y.into_data());
     }
     start.elapsed()
 }
@@ -203,6 +217,7 @@ impl Contender {
                     Work::Chain(n) => chain::<$b>(&device, n),
                     Work::Short(n, reps) => short_chain::<$b>(&device, n, reps),
                     Work::Mlp(threads, reps) => mlp_threads::<$b>(&device, threads, reps),
+                    Work::Softmax(rows, reps) => softmax_rows::<$b>(&device, rows, reps),
                 }
             }};
         }
@@ -232,6 +247,8 @@ enum Work {
     Short(usize, usize),
     /// The MLP on `threads` threads, `reps` times each.
     Mlp(usize, usize),
+    /// The softmax on `rows` rows, `reps` times.
+    Softmax(usize, usize),
 }
 
 fn main() {
@@ -253,6 +270,11 @@ fn main() {
     for n in [1 << 10, 1 << 16] {
         measure(&mut ratios, format!("short-chain/{n}"), rounds, |c| {
             c.run(Work::Short(n, short_reps))
+        });
+    }
+    for rows in [64, 4096] {
+        measure(&mut ratios, format!("softmax/{rows}"), rounds, |c| {
+            c.run(Work::Softmax(rows, short_reps))
         });
     }
     let reps = if quick() { 20 } else { 200 };

@@ -177,6 +177,18 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
         block_on(future).map_err(|e| execution_error("read", e))
     }
 
+    fn read_owned(
+        _ctx: &BackendContext<B>,
+        handle: B::Handle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        // The backend's own read of a primitive it may own alone (NdArray then hands its array
+        // over instead of copying it).
+        let future = Self::into_data_future(handle, shape.clone(), dtype);
+        block_on(future).map_err(|e| execution_error("read", e))
+    }
+
     fn fuser(ctx: &BackendContext<B>) -> Option<Box<dyn crate::runtime::Fuser<Self>>> {
         super::fusion::fuser_for::<B>(&ctx.device)
     }

@@ -357,7 +357,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     ) -> Result<TensorData> {
         match entry {
             // The wait for the device happens here, after the engine lock was released.
-            Entry::Handle(handle) => R::read(&self.inner.context, &handle, shape, dtype),
+            Entry::Handle(handle) => R::read_owned(&self.inner.context, handle, shape, dtype),
             Entry::Failed(error) => Err(error),
         }
     }

@@ -159,6 +159,18 @@ pub trait StreamRuntime: FusionRuntime {
         dtype: DType,
     ) -> Result<TensorData>;
 
+    /// [`StreamRuntime::read`], given the caller's handle to keep or drop (a consuming read: it
+    /// may be the buffer's only owner, and a runtime that can hand the buffer over instead of
+    /// copying it should). By default, `read` of the handle.
+    fn read_owned(
+        ctx: &Self::Context,
+        handle: Self::FusionHandle,
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<TensorData> {
+        Self::read(ctx, &handle, shape, dtype)
+    }
+
     /// A second owner of the same buffer (the alias hook burn 0.21 lacks).
     fn alias(handle: &Self::FusionHandle) -> Self::FusionHandle {
         handle.clone()

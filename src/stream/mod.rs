@@ -580,9 +580,10 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 
     /// Mark a tensor as read by its last live owner: as [`MultiStream::read_entry`], and the id
-    /// is released in the same critical section — exactly as its last drop would (see
-    /// `StreamState::release`), because operations still pending on the home stream may read
-    /// it. Its `shared_sources` entry goes at once.
+    /// is released in the same critical section (see `StreamState::take_for_read`): when no
+    /// pending operation on the home stream still reads it, the reader takes the stream's own
+    /// handle and the id is freed at once; otherwise the reader gets a second owner and the id
+    /// is released exactly as its last drop would be. Its `shared_sources` entry goes at once.
     pub(crate) fn mark_read(
         &self,
         home: &Arc<StreamCell<R>>,
@@ -606,11 +607,11 @@ impl<R: StreamRuntime> MultiStream<R> {
             return Err(Error::Reentrant { what });
         }
         let (mut state, _) = self.lock_materialised(home, &id);
-        let entry = state.entry(&id, "read");
-        if release {
-            state.release(id);
-        }
-        Ok(entry)
+        Ok(if release {
+            state.take_for_read(id, "read")
+        } else {
+            state.entry(&id, "read")
+        })
     }
 
     /// The last live tensor of `id` went away: free it on its home stream.

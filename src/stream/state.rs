@@ -231,6 +231,39 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
+    /// The entry of `id` for a consuming read by its last live tensor, with `id` released in
+    /// the same step. When no queued operation still names `id`, the stream's own handle is
+    /// handed over (taken out of the map: the free happens now) rather than a second owner, so
+    /// the reader is the buffer's only owner and a backend can give the buffer away instead of
+    /// copying it (NdArray's `into_data` copies a shared array element by element). Otherwise
+    /// the reader gets a second owner and `id` is released as its last drop would be.
+    pub(crate) fn take_for_read(&mut self, id: TensorId, op: &str) -> Entry<R::FusionHandle> {
+        if self.retired || self.queue_references(id) {
+            let entry = self.entry(&id, op);
+            self.release(id);
+            return entry;
+        }
+        if StreamId::current() == self.id && !self.orphaned && !super::local::exiting() {
+            self.counters.home_drops += 1;
+        } else {
+            self.counters.foreign_drops += 1;
+        }
+        self.forget_shared_source(id);
+        let entry = match self.handles.remove_handle(id) {
+            Some(burn_ir::Handle::Existing(handle)) => {
+                self.counters.frees += 1;
+                Entry::Handle(handle)
+            }
+            _ => {
+                let entry = self.entry(&id, op);
+                self.free(id);
+                entry
+            }
+        };
+        self.retire_if_orphan_empty();
+        entry
+    }
+
     /// A drop of `id`'s last live tensor from a thread that is not its home (or that cannot take
     /// the home queue right now). Never touches the queue.
     ///
