@@ -513,6 +513,15 @@ mod cuda_fusion {
         assert!(worst <= 1e-2, "worst relative difference {worst:e}");
     }
 
+    /// Eleven elementwise steps of the moved-tensor tests: doubled, then ten times `(t + 1) / 2`.
+    fn halvings<B: Backend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
+        let mut t = x * 2.0;
+        for _ in 0..10 {
+            t = (t + 1.0) * 0.5;
+        }
+        t
+    }
+
     /// A tensor allocated on thread A, consumed by a fused chain on thread B (its buffer must
     /// not be written in place there: another stream allocated it), read on thread C: complete,
     /// on 64 Mi elements, where a missed ordering shows.
@@ -522,22 +531,12 @@ mod cuda_fusion {
         let device = Default::default();
         let n = 1 << 26;
         let (x, y) = inputs::<Ours>(n, &device);
-        let on_b = std::thread::spawn(move || {
-            let mut t = x * 2.0;
-            for _ in 0..10 {
-                t = (t + 1.0) * 0.5;
-            }
-            (t + y).exp()
-        })
-        .join()
-        .unwrap();
+        let on_b = std::thread::spawn(move || (halvings(x) + y).exp())
+            .join()
+            .unwrap();
         let got = std::thread::spawn(move || on_b.into_data()).join().unwrap();
         let (x, y) = inputs::<Plain>(n, &device);
-        let mut t = x * 2.0;
-        for _ in 0..10 {
-            t = (t + 1.0) * 0.5;
-        }
-        let want = (t + y).exp().into_data();
+        let want = (halvings(x) + y).exp().into_data();
         let (worst, same) = compare(&got, &want);
         println!("moved fused chain: {same}/{n} bit for bit, worst relative {worst:e}");
         assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
@@ -560,13 +559,6 @@ mod cuda_fusion {
         let device = Default::default();
         let client = Ours::client(&device);
         let n = 1 << 26;
-        let chain = |x: Tensor<_, 1>| {
-            let mut t = x * 2.0;
-            for _ in 0..10 {
-                t = (t + 1.0) * 0.5;
-            }
-            t.exp()
-        };
         client.streams().set_fusion(false);
         let (x, _) = inputs::<Ours>(n, &device);
         let (viewed, go) = (channel(), channel::<()>());
@@ -574,7 +566,7 @@ mod cuda_fusion {
             let x = x.reshape([n]);
             viewed.0.send(()).unwrap();
             go.1.recv().unwrap();
-            chain(x)
+            halvings(x).exp()
         });
         viewed.1.recv().unwrap();
         // The main thread's queued drop of its id runs now: B's view is the only owner.
@@ -584,11 +576,7 @@ mod cuda_fusion {
         let got = std::thread::spawn(move || on_b.into_data()).join().unwrap();
         client.streams().set_fusion(true);
         let (x, _) = inputs::<Plain>(n, &device);
-        let mut t = x * 2.0;
-        for _ in 0..10 {
-            t = (t + 1.0) * 0.5;
-        }
-        let want = t.exp().into_data();
+        let want = halvings(x).exp().into_data();
         assert_eq!(got, want, "unfused StreamFusion is CubeBackend bit for bit");
     }
 }

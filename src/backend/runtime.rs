@@ -168,13 +168,12 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
     }
 
     fn read(
-        _ctx: &BackendContext<B>,
+        ctx: &BackendContext<B>,
         handle: &B::Handle,
         shape: &Shape,
         dtype: DType,
     ) -> Result<TensorData> {
-        let future = Self::into_data_future(handle.clone(), shape.clone(), dtype);
-        block_on(future).map_err(|e| execution_error("read", e))
+        Self::read_owned(ctx, handle.clone(), shape, dtype)
     }
 
     fn read_owned(

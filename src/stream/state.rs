@@ -224,11 +224,17 @@ impl<R: StreamRuntime> StreamState<R> {
         if self.retired {
             return;
         }
-        if StreamId::current() == self.id && !self.orphaned && !super::local::exiting() {
+        if self.on_home_thread() {
             self.home_drop(id);
         } else {
             self.foreign_drop(id);
         }
+    }
+
+    /// Whether the calling thread is this stream's home thread, alive and able to run what it
+    /// queues (the home/foreign decision of a last drop).
+    fn on_home_thread(&self) -> bool {
+        StreamId::current() == self.id && !self.orphaned && !super::local::exiting()
     }
 
     /// The entry of `id` for a consuming read by its last live tensor, with `id` released in
@@ -243,7 +249,7 @@ impl<R: StreamRuntime> StreamState<R> {
             self.release(id);
             return entry;
         }
-        if StreamId::current() == self.id && !self.orphaned && !super::local::exiting() {
+        if self.on_home_thread() {
             self.counters.home_drops += 1;
         } else {
             self.counters.foreign_drops += 1;
