@@ -14,6 +14,7 @@
 //!    reductions with elementwise work around them (the reduce fusers' case).
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
+//! `FUSION_STREAMS_BENCH_ONLY=<prefix>` runs only the measurements whose name starts with it.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -164,6 +165,11 @@ fn measure(
     rounds: usize,
     run: impl Fn(Contender) -> Duration,
 ) {
+    if let Some(only) = std::env::var_os("FUSION_STREAMS_BENCH_ONLY")
+        && !name.starts_with(&*only.to_string_lossy())
+    {
+        return;
+    }
     let r = compare(
         &name,
         "plain",
