@@ -153,6 +153,9 @@ pub enum Error {
         /// Bytes the buffer has.
         found: usize,
     },
+    /// A setting names something that does not exist (an unknown fuser, ...).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
     /// The runtime reported an error outside of a kernel (allocation, setup, teardown).
     #[error("runtime error: {0}")]
     Runtime(Arc<str>),

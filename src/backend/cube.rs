@@ -1,20 +1,39 @@
 //! Kernel fusion for `StreamFusion<CubeBackend<R, ..>>` (feature `cuda`): a stream's runs go
-//! through burn-cubecl-fusion 0.21's fusers and execute as one [`CubeOptimization`] kernel each:
-//! a run that starts with a matmul through the matmul fuser (the matmul with the elementwise
-//! operations after it as its epilogue), any other run through the elementwise fuser. The matmul
-//! optimization's fallback (what it runs when its fused kernel does not apply, and what autotune
-//! measures it against) is the backend's own `float_matmul` on the run's handles. The reduce
-//! fusers are not used yet: a reduction runs unfused, between runs.
+//! through burn-cubecl-fusion 0.21's fusers and execute as one [`CubeOptimization`] kernel each.
 //!
-//! The fuser consumes burn-fusion's *relative* IR: tensor ids renumbered in order of first
-//! appearance in the run, every dimension replaced by an id per distinct size (size 1 is id 0),
-//! and every scalar replaced by an id into a table. burn-fusion's converter is private, so the
-//! conversion is written here, for the operations these fusers accept; any other
+//! **Which fusers.** Every enabled fuser is offered each operation of a run side by side, as
+//! burn-fusion offers its fusers; the run grows while at least one of them takes the next
+//! operation. When it ends, the longest prefix some fuser can build a kernel for is executed by
+//! that fuser (on a tie, the first in the order elementwise, matmul, reduce, broadcasted
+//! reduce), and the rest of the run is offered again to a new one. By default the elementwise
+//! and matmul fusers are enabled (a matmul with the elementwise operations after it as its
+//! epilogue); the reduce fusers (a reduction with the elementwise operations before and after
+//! it, and the softmax-like chains of reductions and broadcasts) are enabled by naming them in
+//! [`FUSERS_ENV`] — see its docs for why they are not on by default.
+//!
+//! **Fallbacks.** A matmul or reduce kernel may run its matmul or reduction unfused instead (when
+//! its fused kernel does not apply, or while autotune measures both). That fallback is the
+//! backend's own operation (`float_matmul`, `float_sum_dim`, ..) on the run's handles, exactly
+//! what the stream runs when the operation is not fused.
+//!
+//! **Fresh fusers.** Each run starts every fuser from a clone of the fuser as built, never from
+//! `OperationFuser::reset`: burn-cubecl-fusion 0.21's trace fuser resets with the settings of
+//! its *last* block, so a reduce fuser reset after a reduction would plan its next kernel with
+//! the reduction's write settings (and panic in its vectorization planner at launch). burn-fusion
+//! does the same: its searches start from never-fed fusers.
+//!
+//! **Relative IR.** The fusers consume burn-fusion's *relative* IR: tensor ids renumbered in
+//! order of first appearance in the run, every dimension replaced by an id per distinct size
+//! (size 1 is id 0), and every scalar replaced by an id into a table. burn-fusion's converter is
+//! private, so the conversion is written here, for the operations these fusers accept; any other
 //! operation ends the run (and runs unfused). The fused kernel reads the [`Context`] built from
 //! the same conversion of exactly the covered operations, so a status seen only by an operation
-//! after the run (a later consuming use) never leaks into it.
+//! after the run (a later consuming use) never leaks into it. The fusers decide on the relative
+//! form alone, so their decisions and kernels are remembered per relative prefix (a trie of
+//! runs, as burn-fusion caches its optimizations by relative graph): a run seen before costs a
+//! lookup per operation and no fuser work.
 //!
-//! In place: burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
+//! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. This crate's CUDA rule
 //! adds that a buffer is written in place only on the stream that allocated it (see
 //! [`crate::cuda`]): cubecl orders another stream's access to a buffer after the *allocating*
@@ -27,48 +46,167 @@ use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{DType, Shape, StreamId};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_cubecl_fusion::optim::CubeOptimization;
 use burn_cubecl_fusion::optim::elemwise::ElementWiseFuser;
 use burn_cubecl_fusion::optim::matmul::MatmulFuser;
+use burn_cubecl_fusion::optim::reduce::{ReduceFuser, ReduceSettings};
+use burn_cubecl_fusion::optim::reduce_broadcasted::ReduceBroadcastedFuser;
 use burn_cubecl_fusion::{CubeFusionHandle, FallbackOperation};
 use burn_fusion::stream::{Context, ScalarId};
 use burn_fusion::{FuserStatus, OperationFuser};
 use burn_ir::{
     BackendIr, BaseOperationIr, BinaryOpIr, CastOpIr, ClampOpIr, FloatOperationIr, HandleContainer,
-    MaskFillOpIr, MaskWhereOpIr, MatmulOpIr, NumericOperationIr, OperationIr, ScalarIr, ScalarOpIr,
-    ShapeOpIr, SwapDimsOpIr, TensorId, TensorIr, TensorStatus, UnaryOpIr,
+    MaskFillOpIr, MaskWhereOpIr, MatmulOpIr, NumericOperationIr, OperationIr, ReduceDimOpIr,
+    ScalarIr, ScalarOpIr, ShapeOpIr, SwapDimsOpIr, TensorId, TensorIr, TensorStatus, UnaryOpIr,
 };
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 
 use super::BackendRuntime;
+use super::record::Take;
 use crate::runtime::Fuser;
 use crate::{Error, Result};
 
 /// The fuser of a `StreamFusion<CubeBackend<R, F, I, BT>>` stream.
 pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend<R, F, I, BT>>>>;
 
-/// The fuser of `StreamFusion<CubeBackend<R, F, I, BT>>` streams: registered for the CUDA
-/// backends by default; pass it to [`super::register_fuser`] for a `CubeBackend` over another
-/// cubecl runtime.
+/// The environment variable that picks the fusers of `StreamFusion<CubeBackend>` streams (read
+/// when a stream is created): a comma-separated list of `elementwise`, `matmul`, `reduce` and
+/// `reduce_broadcasted`, or `all`, or `none` (no kernel fusion at all). Unset, it is
+/// `elementwise,matmul`. An unknown name is reported (a `tracing` warning) and the default is
+/// used.
+///
+/// The reduce fusers are opt-in: with them on, burn 0.21's backend suite passes on the H200
+/// except one attention test (`test_attention_bool_mask_broadcast_batch_and_heads`), whose
+/// broadcasted-reduce kernel panics inside burn-cubecl-fusion's code generation while
+/// autotuning (see the README, "Reduce fusion").
+pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
+
+/// The fusers, in the order that breaks a tie between two that cover the same run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Elementwise,
+    Matmul,
+    Reduce,
+    ReduceBroadcasted,
+}
+
+impl Kind {
+    const ALL: [Kind; 4] = [
+        Kind::Elementwise,
+        Kind::Matmul,
+        Kind::Reduce,
+        Kind::ReduceBroadcasted,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Elementwise => "elementwise",
+            Kind::Matmul => "matmul",
+            Kind::Reduce => "reduce",
+            Kind::ReduceBroadcasted => "reduce_broadcasted",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A set of [`Kind`]s, one bit each.
+type Kinds = u8;
+
+const DEFAULT_KINDS: Kinds = 0b0011;
+
+/// The fusers `spec` names (see [`FUSERS_ENV`]).
+fn parse_kinds(spec: &str) -> std::result::Result<Kinds, String> {
+    let mut kinds = 0;
+    for name in spec
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+    {
+        kinds |= match name {
+            "all" => Kind::ALL.iter().map(|kind| kind.bit()).sum(),
+            "none" => 0,
+            name => match Kind::ALL.iter().find(|kind| kind.name() == name) {
+                Some(kind) => kind.bit(),
+                None => {
+                    return Err(format!(
+                        "unknown fuser `{name}` in {FUSERS_ENV}={spec:?} (known: elementwise, \
+                         matmul, reduce, reduce_broadcasted, all, none)"
+                    ));
+                }
+            },
+        };
+    }
+    Ok(kinds)
+}
+
+/// The fusers [`FUSERS_ENV`] asks for.
+fn kinds_from_env() -> Kinds {
+    match std::env::var(FUSERS_ENV) {
+        Ok(spec) => parse_kinds(&spec).unwrap_or_else(|error| {
+            tracing::warn!(target: "fusion_streams", "{error}; using elementwise,matmul");
+            DEFAULT_KINDS
+        }),
+        Err(_) => DEFAULT_KINDS,
+    }
+}
+
+/// The fuser of `StreamFusion<CubeBackend<R, F, I, BT>>` streams, with the fusers
+/// [`FUSERS_ENV`] asks for: registered for the CUDA backends by default; pass it to
+/// [`super::register_fuser`] for a `CubeBackend` over another cubecl runtime.
 pub fn cube_fuser<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     device: &R::Device,
 ) -> CubeStreamFuser<R, F, I, BT> {
-    Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>> {
-        elementwise: ElementWiseFuser::new(device.clone()),
-        matmul: MatmulFuser::new(device.clone()),
-        kind: Kind::Elementwise,
-        fallback: None,
-        backend: PhantomData,
-        live: true,
-        offered_relative: Vec::new(),
-        relative: Relative::default(),
-        runs: vec![Node::default()],
-        at: 0,
+    Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>>::new(fusers(
+        device,
+        kinds_from_env(),
+    )))
+}
+
+/// The fuser of `StreamFusion<CubeBackend<R, F, I, BT>>` streams with the fusers `names` lists
+/// (the syntax of [`FUSERS_ENV`]), whatever the environment says; for
+/// [`super::register_fuser`]. An unknown name is an [`Error::InvalidConfig`].
+///
+/// ```no_run
+/// use burn_cubecl::CubeBackend;
+/// use cubecl::cuda::CudaRuntime;
+/// use fusion_streams::backend::{cube_fuser_with, register_fuser};
+///
+/// type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+/// // Every fuser, reductions included, for the engines opened from here on.
+/// register_fuser::<Cuda>(|device| cube_fuser_with(device, "all").expect("known names"));
+/// ```
+pub fn cube_fuser_with<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    device: &R::Device,
+    names: &str,
+) -> Result<CubeStreamFuser<R, F, I, BT>> {
+    let kinds = parse_kinds(names).map_err(Error::InvalidConfig)?;
+    Ok(Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>>::new(
+        fusers(device, kinds),
+    )))
+}
+
+/// burn-cubecl-fusion's fusers of `kinds`, as built, in [`Kind`] order.
+fn fusers<R: CubeRuntime>(device: &R::Device, kinds: Kinds) -> [Option<DynFuser<R>>; 4] {
+    Kind::ALL.map(|kind| {
+        (kinds & kind.bit() != 0).then(|| -> DynFuser<R> {
+            match kind {
+                Kind::Elementwise => Box::new(ElementWiseFuser::new(device.clone())),
+                Kind::Matmul => Box::new(MatmulFuser::new(device.clone())),
+                Kind::Reduce => Box::new(ReduceFuser::new(device.clone(), ReduceSettings::Always)),
+                Kind::ReduceBroadcasted => Box::new(ReduceBroadcastedFuser::new(device.clone())),
+            }
+        })
     })
 }
+
+type DynFuser<R> = Box<dyn OperationFuser<CubeOptimization<R>>>;
 
 /// The most runs (distinct relative prefixes) a stream remembers before it starts over.
 const MAX_NODES: usize = 4096;
@@ -80,75 +218,138 @@ struct Key(OperationIr);
 
 impl Eq for Key {}
 
-/// One relative prefix a fuser has seen: whether the run's fuser took its last operation, what
-/// follows it, and the kernel of a run that ends here, once built.
+/// One relative prefix the fusers have seen: which fusers took every operation of it, which of
+/// those can build a kernel for exactly it, what follows it, and the kernels built for it.
 struct Node<R: CubeRuntime> {
-    accepted: bool,
+    alive: Kinds,
+    ready: Kinds,
     next: HashMap<Key, usize>,
-    optimization: Option<CubeOptimization<R>>,
+    optimizations: SmallVec<[(Kind, CubeOptimization<R>); 1]>,
 }
 
-/// Which of burn-cubecl-fusion's fusers a run goes through: a run that starts with a matmul
-/// goes through the matmul fuser (the matmul and the elementwise operations after it, in one
-/// kernel), any other run through the elementwise fuser. Each closes on what the other starts
-/// with, so the first operation decides.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Elementwise,
-    Matmul,
-}
-
-impl<R: CubeRuntime> Default for Node<R> {
-    fn default() -> Self {
+impl<R: CubeRuntime> Node<R> {
+    fn new(alive: Kinds) -> Self {
         Self {
-            accepted: true,
+            alive,
+            ready: 0,
             next: HashMap::new(),
-            optimization: None,
+            optimizations: SmallVec::new(),
         }
     }
 }
 
-/// The fuser of one stream. burn-cubecl-fusion's fuser decides on the relative form alone, so
-/// its decisions and its kernels are remembered per relative prefix (a trie of runs, as
-/// burn-fusion caches its optimizations by relative graph): a run seen before costs a lookup
-/// per operation and no fuser work, and the fuser itself only runs on a new prefix.
+/// The fuser of one stream (see the module docs).
 struct CubeFuser<R: CubeRuntime, B> {
-    elementwise: ElementWiseFuser<R>,
-    matmul: MatmulFuser<R>,
-    /// The fuser of the current run.
-    kind: Kind,
-    /// A matmul run's matmul, as offered (global ids): what the optimization runs unfused when
-    /// its fused kernel cannot (burn's fallback).
-    fallback: Option<MatmulOpIr>,
+    /// Each enabled fuser as built: a run starts from a clone of it.
+    pristine: [Option<DynFuser<R>>; 4],
+    /// Each enabled fuser at work, with how many of the run's accepted operations it has been
+    /// fed (`None`: it must start over from a clone).
+    working: [(Option<DynFuser<R>>, Option<usize>); 4],
+    /// Whether a reduction may join a run (a reduce fuser is enabled).
+    reductions: bool,
     backend: PhantomData<fn() -> B>,
-    /// Whether `elementwise` has been fed exactly `offered_relative` since its last reset.
-    live: bool,
-    /// The accepted operations in relative form, to replay into the fuser on a new prefix.
+    /// The accepted operations in relative form, to feed fusers that lag behind.
     offered_relative: Vec<OperationIr>,
+    /// The accepted operations a kernel may run unfused (matmuls and reductions, global ids),
+    /// with their position in the run: its fallbacks.
+    fallbacks: SmallVec<[(usize, OperationIr); 2]>,
     /// The conversion of exactly the accepted operations: the context of the run's kernel.
     relative: Relative,
     /// The trie of runs seen, `runs[0]` the empty prefix.
     runs: Vec<Node<R>>,
-    /// The node of the accepted prefix.
-    at: usize,
+    /// The node of each accepted prefix, `path[0] == 0`.
+    path: Vec<usize>,
 }
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
-    /// The run's fuser, fed exactly the accepted prefix (replayed into a fresh one if it
-    /// lagged).
-    fn fed(&mut self) -> &mut dyn OperationFuser<CubeOptimization<R>> {
-        let fuser: &mut dyn OperationFuser<CubeOptimization<R>> = match self.kind {
-            Kind::Elementwise => &mut self.elementwise,
-            Kind::Matmul => &mut self.matmul,
-        };
-        if !self.live {
-            fuser.reset();
-            for op in &self.offered_relative {
-                fuser.fuse(op);
-            }
-            self.live = true;
+    fn new(pristine: [Option<DynFuser<R>>; 4]) -> Self {
+        let enabled = Kind::ALL
+            .iter()
+            .filter(|kind| pristine[**kind as usize].is_some())
+            .map(|kind| kind.bit())
+            .sum();
+        let reductions = pristine[Kind::Reduce as usize].is_some()
+            || pristine[Kind::ReduceBroadcasted as usize].is_some();
+        Self {
+            pristine,
+            working: Default::default(),
+            reductions,
+            backend: PhantomData,
+            offered_relative: Vec::new(),
+            fallbacks: SmallVec::new(),
+            relative: Relative::default(),
+            runs: vec![Node::new(enabled)],
+            path: vec![0],
         }
+    }
+
+    /// Fuser `kind`, fed exactly the first `depth` accepted operations of the run: fed forward
+    /// if it lags, or a fresh clone fed from the start.
+    fn fed(&mut self, kind: Kind, depth: usize) -> &mut dyn OperationFuser<CubeOptimization<R>> {
+        let (working, fed) = &mut self.working[kind as usize];
+        let from = match (*fed, working.as_ref()) {
+            (Some(fed), Some(_)) if fed <= depth => fed,
+            _ => {
+                let pristine = self.pristine[kind as usize].as_ref();
+                *working = Some(pristine.expect("an enabled fuser").clone_dyn());
+                0
+            }
+        };
+        let fuser = working.as_deref_mut().expect("set above");
+        for op in &self.offered_relative[from..depth] {
+            fuser.fuse(op);
+        }
+        *fed = Some(depth);
         fuser
+    }
+
+    /// The run's kernel: the longest accepted prefix some fuser can build a kernel for, and
+    /// the first such fuser in [`Kind`] order.
+    fn chosen(&self) -> Option<(usize, Kind)> {
+        let depth = self
+            .path
+            .iter()
+            .rposition(|node| self.runs[*node].ready != 0)?;
+        let ready = self.runs[self.path[depth]].ready;
+        Kind::ALL
+            .into_iter()
+            .find(|kind| ready & kind.bit() != 0)
+            .map(|kind| (depth, kind))
+    }
+
+    /// Offer `op` (relative) to every fuser that took the whole prefix of `depth` operations
+    /// ending at node `at`: the node of the longer prefix.
+    fn decide(&mut self, at: usize, depth: usize, op: &OperationIr) -> Node<R> {
+        let mut node = Node::new(0);
+        for kind in Kind::ALL {
+            if self.runs[at].alive & kind.bit() == 0 {
+                continue;
+            }
+            let fuser = self.fed(kind, depth);
+            if matches!(fuser.status(), FuserStatus::Closed) {
+                continue;
+            }
+            let before = fuser.len();
+            fuser.fuse(op);
+            let open = !matches!(fuser.status(), FuserStatus::Closed);
+            // The matmul fuser counts its matmul before it takes it; it takes it unless it
+            // closes.
+            let took = fuser.len() > before || (depth == 0 && kind == Kind::Matmul && open);
+            let ready = took
+                && match kind {
+                    // Ready with one operation (the engine fuses two or more).
+                    Kind::Elementwise | Kind::Matmul => true,
+                    Kind::Reduce | Kind::ReduceBroadcasted => fuser.properties().ready,
+                };
+            self.working[kind as usize].1 = took.then_some(depth + 1);
+            if took {
+                node.alive |= kind.bit();
+            }
+            if ready {
+                node.ready |= kind.bit();
+            }
+        }
+        node
     }
 }
 
@@ -161,60 +362,41 @@ where
     BT: BoolElement,
 {
     fn offer(&mut self, op: &OperationIr, handles: &HandleContainer<CubeFusionHandle<R>>) -> bool {
-        let op = allocated_here_or_read_only(op, handles);
-        let Some(relative) = self.relative.op(&op) else {
+        let at = *self.path.last().expect("the empty prefix");
+        if self.runs[at].alive == 0 || !fusable(op, self.reductions) {
             return false;
-        };
+        }
+        let op = allocated_here_or_read_only(op, handles);
         // From here on, a refusal takes the operation's conversion back: the context must hold
         // exactly the accepted operations (a refused consuming use would otherwise change the
         // status of a tensor the kernel reads).
-        let first = self.offered_relative.is_empty();
-        if first {
-            let matmul = matmul(&op);
-            self.kind = if matmul.is_some() {
-                Kind::Matmul
-            } else {
-                Kind::Elementwise
-            };
-            self.fallback = matmul.cloned();
-        }
-        let key = Key(relative);
-        let (next, fed_now) = match self.runs[self.at].next.get(&key) {
-            Some(next) => (*next, false),
+        let key = Key(self.relative.op(&op));
+        let depth = self.offered_relative.len();
+        let next = match self.runs[at].next.get(&key) {
+            Some(next) => *next,
             None => {
-                // A new prefix: ask the fuser, and remember its answer. The matmul fuser counts
-                // its matmul before it takes it; it takes it unless it closes.
-                let kind = self.kind;
-                let fuser = self.fed();
-                let accepted = !matches!(fuser.status(), FuserStatus::Closed) && {
-                    let before = fuser.len();
-                    fuser.fuse(&key.0);
-                    let open = !matches!(fuser.status(), FuserStatus::Closed);
-                    fuser.len() > before || (first && kind == Kind::Matmul && open)
-                };
-                self.runs.push(Node {
-                    accepted,
-                    ..Node::default()
-                });
+                // A new prefix: ask the fusers, and remember their answer.
+                let node = self.decide(at, depth, &key.0);
+                self.runs.push(node);
                 let next = self.runs.len() - 1;
-                self.runs[self.at].next.insert(key.clone(), next);
-                (next, true)
+                self.runs[at].next.insert(key.clone(), next);
+                next
             }
         };
-        if !self.runs[next].accepted {
+        if self.runs[next].alive == 0 {
             self.relative.roll_back();
             return false;
         }
-        // A known prefix is not fed to the fuser: from here on it lags behind.
-        self.live &= fed_now;
-        self.at = next;
+        if has_fallback(&op) {
+            self.fallbacks.push((depth, op.into_owned()));
+        }
+        self.path.push(next);
         self.offered_relative.push(key.0);
         true
     }
 
     fn covered(&self) -> usize {
-        // The elementwise fuser is ready as soon as it holds one operation.
-        self.offered_relative.len()
+        self.chosen().map_or(0, |(depth, _)| depth)
     }
 
     fn execute(
@@ -222,17 +404,25 @@ where
         handles: &mut HandleContainer<CubeFusionHandle<R>>,
         _: &super::BackendContext<CubeBackend<R, F, I, BT>>,
     ) -> Result<usize> {
-        if self.runs[self.at].optimization.is_none() {
-            let built = self.fed().finish();
-            self.runs[self.at].optimization = Some(built);
+        let Some((depth, kind)) = self.chosen() else {
+            return Err(Error::Runtime("no fused run to execute".into()));
+        };
+        let at = self.path[depth];
+        if !self.runs[at].optimizations.iter().any(|(k, _)| *k == kind) {
+            let built = self.fed(kind, depth).finish();
+            // `finish` may leave the fuser in any state.
+            self.working[kind as usize].1 = None;
+            self.runs[at].optimizations.push((kind, built));
         }
+        self.relative.roll_back_to(depth);
         let relative = std::mem::take(&mut self.relative);
-        let fallback = self.fallback.take();
-        let optimization = self.runs[self.at]
-            .optimization
-            .as_mut()
+        let fallbacks = std::mem::take(&mut self.fallbacks);
+        let optimization = self.runs[at]
+            .optimizations
+            .iter_mut()
+            .find_map(|(k, optimization)| (*k == kind).then_some(optimization))
             .expect("built above");
-        run::<R, CubeBackend<R, F, I, BT>>(optimization, fallback, relative, handles)?;
+        run::<R, CubeBackend<R, F, I, BT>>(optimization, &fallbacks, relative, handles)?;
         Ok(1)
     }
 
@@ -241,11 +431,17 @@ where
     }
 
     fn reset(&mut self) {
+        // A fuser fed this run's operations starts the next one from a clone (`fed`), never
+        // from `OperationFuser::reset` (see the module docs).
+        for (_, fed) in &mut self.working {
+            if *fed != Some(0) {
+                *fed = None;
+            }
+        }
         self.offered_relative.clear();
-        self.fallback = None;
+        self.fallbacks.clear();
         self.relative = Relative::default();
-        self.at = 0;
-        self.live = false;
+        self.path.truncate(1);
         if self.runs.len() >= MAX_NODES {
             // Start over rather than grow without bound.
             self.runs.truncate(1);
@@ -258,7 +454,7 @@ where
 /// always gives back (a panic included: it becomes the run's error).
 fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
     optimization: &mut CubeOptimization<R>,
-    fallback: Option<MatmulOpIr>,
+    fallbacks: &[(usize, OperationIr)],
     relative: Relative,
     handles: &mut HandleContainer<CubeFusionHandle<R>>,
 ) -> Result<()> {
@@ -268,55 +464,123 @@ fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
         scalars: relative.scalars,
         shapes_relative2global: relative.shapes_relative2global,
     };
+    // The operation at `index` in the run, run unfused by the backend.
+    let fallback = |index: usize| -> Box<dyn FallbackOperation<R>> {
+        let op = fallbacks.iter().find(|(i, _)| *i == index);
+        Box::new(Fallback::<B> {
+            op: op.map(|(_, op)| op.clone()),
+            backend: PhantomData,
+        })
+    };
     let outcome = catch_unwind(AssertUnwindSafe(|| match optimization {
-        CubeOptimization::ElementWise(elementwise) => {
-            elementwise.execute(&mut context);
-            Ok(())
-        }
-        CubeOptimization::Matmul(matmul) => {
-            let Some(ir) = fallback else {
-                return Err(Error::Runtime("a matmul run without its matmul".into()));
-            };
-            matmul.execute(&mut context, move |_| {
-                Box::new(MatmulFallback::<B> {
-                    ir,
-                    backend: PhantomData,
-                })
-            });
-            Ok(())
-        }
-        _ => Err(Error::Runtime(
-            "a fuser built an optimization this crate does not run".into(),
-        )),
+        CubeOptimization::ElementWise(elementwise) => elementwise.execute(&mut context),
+        CubeOptimization::Matmul(matmul) => matmul.execute(&mut context, fallback),
+        CubeOptimization::Reduce(reduce) => reduce.execute(&mut context, fallback),
+        CubeOptimization::ReduceBroadcasted(reduce) => reduce.execute(&mut context, fallback),
     }));
     *handles = context.handles;
-    outcome.map_err(|payload| Error::from_kernel_panic("fused kernel", payload))?
+    outcome.map_err(|payload| Error::from_kernel_panic("fused kernel", payload))
 }
 
-/// A matmul run's matmul, run by the backend on the run's handles (global ids): what burn's
-/// matmul optimization runs when its fused kernel does not apply, or while autotuning.
-struct MatmulFallback<B> {
-    ir: MatmulOpIr,
+/// A run's matmul or reduction, run by the backend on the run's handles (global ids): what
+/// burn's matmul and reduce optimizations run when their fused kernel does not apply, or while
+/// autotuning. The same backend calls as the unfused operation's (`src/backend/float.rs`,
+/// `int.rs`).
+struct Fallback<B> {
+    op: Option<OperationIr>,
     backend: PhantomData<fn() -> B>,
 }
 
 impl<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static> FallbackOperation<R>
-    for MatmulFallback<B>
+    for Fallback<B>
 {
     fn run(&self, context: &mut Context<CubeFusionHandle<R>>) {
-        let lhs = context.handles.get_float_tensor::<B>(&self.ir.lhs);
-        let rhs = context.handles.get_float_tensor::<B>(&self.ir.rhs);
-        let out = B::float_matmul(lhs, rhs);
-        context
-            .handles
-            .register_float_tensor::<B>(&self.ir.out.id, out);
+        use NumericOperationIr as N;
+        let h = &mut context.handles;
+        let float = reduce_float::<R, B>;
+        let int = reduce_int::<R, B>;
+        match &self.op {
+            Some(OperationIr::Float(_, FloatOperationIr::Matmul(ir))) => {
+                let out = B::float_matmul(h.take_float::<B>(&ir.lhs), h.take_float::<B>(&ir.rhs));
+                h.register_float_tensor::<B>(&ir.out.id, out);
+            }
+            Some(OperationIr::NumericFloat(_, op)) => match op {
+                N::SumDim(ir) => float(h, ir, B::float_sum_dim),
+                N::MeanDim(ir) => float(h, ir, B::float_mean_dim),
+                N::ProdDim(ir) => float(h, ir, B::float_prod_dim),
+                N::MaxDim(ir) => float(h, ir, B::float_max_dim),
+                N::MinDim(ir) => float(h, ir, B::float_min_dim),
+                N::MaxAbsDim(ir) => float(h, ir, B::float_max_abs_dim),
+                N::ArgMax(ir) | N::ArgMin(ir) => {
+                    let x = h.take_float::<B>(&ir.input);
+                    let out = match op {
+                        N::ArgMax(_) => B::float_argmax(x, ir.axis, ir.out.dtype.into()),
+                        _ => B::float_argmin(x, ir.axis, ir.out.dtype.into()),
+                    };
+                    h.register_int_tensor::<B>(&ir.out.id, out);
+                }
+                op => panic!("no unfused fallback for {op:?}"),
+            },
+            Some(OperationIr::NumericInt(_, op)) => match op {
+                N::SumDim(ir) => int(h, ir, B::int_sum_dim),
+                N::MeanDim(ir) => int(h, ir, B::int_mean_dim),
+                N::ProdDim(ir) => int(h, ir, B::int_prod_dim),
+                N::MaxDim(ir) => int(h, ir, B::int_max_dim),
+                N::MinDim(ir) => int(h, ir, B::int_min_dim),
+                N::MaxAbsDim(ir) => int(h, ir, B::int_max_abs_dim),
+                N::ArgMax(ir) => int(h, ir, B::int_argmax),
+                N::ArgMin(ir) => int(h, ir, B::int_argmin),
+                op => panic!("no unfused fallback for {op:?}"),
+            },
+            op => panic!("no unfused fallback for {op:?}"),
+        }
     }
 }
 
-/// `op`'s IR if it is a matmul of (unquantized) float tensors: what starts a matmul run.
+/// `f(input, axis)` of a float reduction, registered as its output.
+fn reduce_float<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>>>(
+    handles: &mut HandleContainer<CubeFusionHandle<R>>,
+    ir: &ReduceDimOpIr,
+    f: fn(FloatTensor<B>, usize) -> FloatTensor<B>,
+) {
+    let out = f(handles.take_float::<B>(&ir.input), ir.axis);
+    handles.register_float_tensor::<B>(&ir.out.id, out);
+}
+
+/// `f(input, axis)` of an int reduction, registered as its output.
+fn reduce_int<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>>>(
+    handles: &mut HandleContainer<CubeFusionHandle<R>>,
+    ir: &ReduceDimOpIr,
+    f: fn(IntTensor<B>, usize) -> IntTensor<B>,
+) {
+    let out = f(handles.take_int::<B>(&ir.input), ir.axis);
+    handles.register_int_tensor::<B>(&ir.out.id, out);
+}
+
+/// Whether a fused kernel may run `op` unfused (see [`Fallback`]).
+fn has_fallback(op: &OperationIr) -> bool {
+    matmul(op).is_some() || reduction(op).is_some()
+}
+
+/// `op`'s IR if it is a matmul of (unquantized) float tensors.
 fn matmul(op: &OperationIr) -> Option<&MatmulOpIr> {
     match op {
         OperationIr::Float(_, FloatOperationIr::Matmul(ir)) if unquantized(ir) => Some(ir),
+        _ => None,
+    }
+}
+
+/// `op`'s IR if it is a reduction along one axis (what the reduce fusers fuse).
+fn reduction(op: &OperationIr) -> Option<&ReduceDimOpIr> {
+    use NumericOperationIr as N;
+    match op {
+        OperationIr::NumericFloat(_, op) | OperationIr::NumericInt(_, op) => match op {
+            N::SumDim(ir) | N::MeanDim(ir) | N::ProdDim(ir) | N::MaxDim(ir) | N::MinDim(ir) => {
+                Some(ir)
+            }
+            N::MaxAbsDim(ir) | N::ArgMax(ir) | N::ArgMin(ir) => Some(ir),
+            _ => None,
+        },
         _ => None,
     }
 }
@@ -365,8 +629,10 @@ struct Relative {
     shapes_global2relative: HashMap<usize, usize>,
     shapes_relative2global: HashMap<usize, usize>,
     scalars: HashMap<ScalarId, ScalarIr>,
-    /// What the last operation's conversion replaced, to take it back.
+    /// What each conversion replaced, to take it back.
     undo: Vec<Undo>,
+    /// Where each converted operation's entries start in `undo`.
+    marks: Vec<usize>,
 }
 
 /// One change of a conversion, with what it replaced.
@@ -391,6 +657,7 @@ impl Default for Relative {
             shapes_relative2global: HashMap::from_iter([(0, 1)]),
             scalars: HashMap::new(),
             undo: Vec::new(),
+            marks: Vec::new(),
         }
     }
 }
@@ -441,9 +708,19 @@ impl Relative {
         ScalarIr::UInt(id.value)
     }
 
+    /// Take back the conversions of the operations after the first `len`.
+    fn roll_back_to(&mut self, len: usize) {
+        while self.marks.len() > len {
+            self.roll_back();
+        }
+    }
+
     /// Take back the conversion of the last operation converted.
     fn roll_back(&mut self) {
-        for undo in self.undo.drain(..).rev() {
+        let Some(mark) = self.marks.pop() else {
+            return;
+        };
+        for undo in self.undo.drain(mark..).rev() {
             match undo {
                 Undo::Tensor {
                     global,
@@ -494,14 +771,19 @@ impl Relative {
         }
     }
 
-    /// The relative form of `op`, or `None` (and nothing recorded) if the elementwise fuser
-    /// does not take it.
-    fn op(&mut self, op: &OperationIr) -> Option<OperationIr> {
-        if !fusable(op) {
-            return None;
+    fn reduce_dim(&mut self, ir: &ReduceDimOpIr) -> ReduceDimOpIr {
+        ReduceDimOpIr {
+            input: self.tensor(&ir.input),
+            out: self.tensor(&ir.out),
+            axis: ir.axis,
+            accumulator_len: ir.accumulator_len,
         }
-        self.undo.clear();
-        Some(match op {
+    }
+
+    /// The relative form of `op`, which must be [`fusable`].
+    fn op(&mut self, op: &OperationIr) -> OperationIr {
+        self.marks.push(self.undo.len());
+        match op {
             OperationIr::Drop(tensor) => OperationIr::Drop(self.tensor(tensor)),
             OperationIr::Float(dtype, op) => OperationIr::Float(*dtype, self.float(op)),
             OperationIr::NumericFloat(dtype, op) => {
@@ -512,7 +794,7 @@ impl Relative {
             OperationIr::BaseInt(op) => OperationIr::BaseInt(self.base(op)),
             OperationIr::BaseBool(op) => OperationIr::BaseBool(self.base(op)),
             _ => unreachable!("checked by `fusable`"),
-        })
+        }
     }
 
     fn float(&mut self, op: &FloatOperationIr) -> FloatOperationIr {
@@ -566,6 +848,14 @@ impl Relative {
                 max: self.scalar(&ir.max),
                 out: self.tensor(&ir.out),
             }),
+            O::SumDim(ir) => O::SumDim(self.reduce_dim(ir)),
+            O::MeanDim(ir) => O::MeanDim(self.reduce_dim(ir)),
+            O::ProdDim(ir) => O::ProdDim(self.reduce_dim(ir)),
+            O::MaxDim(ir) => O::MaxDim(self.reduce_dim(ir)),
+            O::MinDim(ir) => O::MinDim(self.reduce_dim(ir)),
+            O::MaxAbsDim(ir) => O::MaxAbsDim(self.reduce_dim(ir)),
+            O::ArgMax(ir) => O::ArgMax(self.reduce_dim(ir)),
+            O::ArgMin(ir) => O::ArgMin(self.reduce_dim(ir)),
             _ => unreachable!("checked by `fusable`"),
         }
     }
@@ -606,9 +896,13 @@ impl Relative {
     }
 }
 
-/// Whether the conversion above covers `op` (a subset of what burn-cubecl-fusion 0.21's
-/// elementwise fuser accepts; boolean scalars have no relative form in burn-fusion either).
-fn fusable(op: &OperationIr) -> bool {
+/// Whether the conversion above covers `op`: a subset of what burn-cubecl-fusion 0.21's
+/// elementwise fuser accepts (boolean scalars have no relative form in burn-fusion either), its
+/// matmuls, and, with `reductions`, the reductions its reduce fusers accept.
+fn fusable(op: &OperationIr, reductions: bool) -> bool {
+    if reduction(op).is_some() {
+        return reductions;
+    }
     use BaseOperationIr as B;
     use FloatOperationIr as Fl;
     use NumericOperationIr as N;
@@ -642,5 +936,311 @@ fn fusable(op: &OperationIr) -> bool {
             }
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The run logic over stand-in fusers (no GPU: a stand-in never builds a kernel). The
+    //! kernels themselves are tested on the GPU (`tests/backend.rs`, `cuda_fusion`).
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn_fusion::FuserProperties;
+    use cubecl::cuda::CudaRuntime;
+
+    use super::*;
+
+    type R = CudaRuntime;
+    type Cube = CubeBackend<R, f32, i32, u8>;
+
+    /// A fuser that takes operations while `takes` says so (and then closes), is ready once
+    /// it holds one that `readies` says so of, and counts what it is fed and how often it is
+    /// cloned. It must never be reset: a run starts from a clone.
+    #[derive(Clone)]
+    struct Stand {
+        takes: fn(&OperationIr) -> bool,
+        readies: fn(&OperationIr) -> bool,
+        taken: usize,
+        ready: bool,
+        closed: bool,
+        fed: Arc<AtomicUsize>,
+        clones: Arc<AtomicUsize>,
+    }
+
+    impl Stand {
+        fn new(takes: fn(&OperationIr) -> bool, readies: fn(&OperationIr) -> bool) -> Self {
+            Self {
+                takes,
+                readies,
+                taken: 0,
+                ready: false,
+                closed: false,
+                fed: Arc::default(),
+                clones: Arc::default(),
+            }
+        }
+    }
+
+    impl OperationFuser<CubeOptimization<R>> for Stand {
+        fn fuse(&mut self, op: &OperationIr) {
+            self.fed.fetch_add(1, Ordering::Relaxed);
+            if self.closed {
+                return;
+            }
+            if (self.takes)(op) {
+                self.taken += 1;
+                self.ready |= (self.readies)(op);
+            } else {
+                self.closed = true;
+            }
+        }
+
+        fn finish(&mut self) -> CubeOptimization<R> {
+            unreachable!("a stand-in builds no kernel")
+        }
+
+        fn reset(&mut self) {
+            panic!("a fed fuser was reset instead of cloned afresh");
+        }
+
+        fn status(&self) -> FuserStatus {
+            if self.closed {
+                FuserStatus::Closed
+            } else {
+                FuserStatus::Open
+            }
+        }
+
+        fn properties(&self) -> FuserProperties {
+            FuserProperties {
+                score: 0,
+                ready: self.ready,
+            }
+        }
+
+        fn len(&self) -> usize {
+            self.taken
+        }
+
+        fn clone_dyn(&self) -> Box<dyn OperationFuser<CubeOptimization<R>>> {
+            self.clones.fetch_add(1, Ordering::Relaxed);
+            Box::new(self.clone())
+        }
+    }
+
+    fn elementwise(op: &OperationIr) -> bool {
+        reduction(op).is_none()
+    }
+
+    fn anything(_: &OperationIr) -> bool {
+        true
+    }
+
+    fn a_reduction(op: &OperationIr) -> bool {
+        reduction(op).is_some()
+    }
+
+    fn tensor(id: u64, shape: [usize; 2], status: TensorStatus) -> TensorIr {
+        TensorIr {
+            id: TensorId::new(id),
+            shape: Shape::new(shape),
+            status,
+            dtype: DType::F32,
+        }
+    }
+
+    /// `out = lhs + rhs` over `[4, 8]` tensors (`lhs` consumed).
+    fn add(lhs: u64, rhs: u64, out: u64) -> OperationIr {
+        OperationIr::NumericFloat(
+            DType::F32,
+            NumericOperationIr::Add(BinaryOpIr {
+                lhs: tensor(lhs, [4, 8], TensorStatus::ReadWrite),
+                rhs: tensor(rhs, [4, 8], TensorStatus::ReadOnly),
+                out: tensor(out, [4, 8], TensorStatus::NotInit),
+            }),
+        )
+    }
+
+    /// `out = input.sum_dim(1)` (`input` `[4, 8]`, consumed).
+    fn sum(input: u64, out: u64) -> OperationIr {
+        OperationIr::NumericFloat(
+            DType::F32,
+            NumericOperationIr::SumDim(ReduceDimOpIr {
+                input: tensor(input, [4, 8], TensorStatus::ReadWrite),
+                out: tensor(out, [4, 1], TensorStatus::NotInit),
+                axis: 1,
+                accumulator_len: 1,
+            }),
+        )
+    }
+
+    /// An operation no fuser here takes (no relative form).
+    fn unfusable(input: u64, out: u64) -> OperationIr {
+        OperationIr::Float(
+            DType::F32,
+            FloatOperationIr::Round(UnaryOpIr {
+                input: tensor(input, [4, 8], TensorStatus::ReadWrite),
+                out: tensor(out, [4, 8], TensorStatus::NotInit),
+            }),
+        )
+    }
+
+    fn fuser(slots: [Option<Stand>; 4]) -> CubeFuser<R, Cube> {
+        CubeFuser::new(slots.map(|slot| slot.map(|stand| Box::new(stand) as DynFuser<R>)))
+    }
+
+    /// Offer `ops` until one is refused; how many were accepted.
+    fn offer_all(fuser: &mut CubeFuser<R, Cube>, ops: &[OperationIr]) -> usize {
+        let handles = HandleContainer::new();
+        ops.iter()
+            .take_while(|op| Fuser::<BackendRuntime<Cube>>::offer(fuser, op, &handles))
+            .count()
+    }
+
+    fn covered(fuser: &CubeFuser<R, Cube>) -> usize {
+        Fuser::<BackendRuntime<Cube>>::covered(fuser)
+    }
+
+    fn reset(fuser: &mut CubeFuser<R, Cube>) {
+        Fuser::<BackendRuntime<Cube>>::reset(fuser)
+    }
+
+    /// An elementwise stand-in and a reduce stand-in that takes anything once it holds a
+    /// reduction.
+    fn elementwise_and_reduce() -> [Option<Stand>; 4] {
+        [
+            Some(Stand::new(elementwise, elementwise)),
+            None,
+            Some(Stand::new(anything, a_reduction)),
+            None,
+        ]
+    }
+
+    #[test]
+    fn the_longest_prefix_a_fuser_can_finish_wins() {
+        let mut fuser = fuser(elementwise_and_reduce());
+        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(5, 5, 6)];
+        assert_eq!(offer_all(&mut fuser, &program), 4);
+        // The elementwise fuser closed at the reduction; the reduce fuser covers all four.
+        assert_eq!(covered(&fuser), 4);
+        assert_eq!(fuser.chosen(), Some((4, Kind::Reduce)));
+
+        // Without the reduction, the reduce fuser is never ready: the elementwise one runs.
+        reset(&mut fuser);
+        assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
+        assert_eq!(fuser.chosen(), Some((2, Kind::Elementwise)));
+    }
+
+    #[test]
+    fn a_tie_goes_to_the_first_fuser_in_order() {
+        let both = Stand::new(elementwise, elementwise);
+        let mut fuser = fuser([Some(both.clone()), None, Some(both), None]);
+        assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
+        assert_eq!(fuser.chosen(), Some((2, Kind::Elementwise)));
+    }
+
+    #[test]
+    fn a_run_ends_at_its_last_ready_prefix() {
+        // The reduce fuser takes the trailing additions but is never ready again after a
+        // second reduction it refuses; the run's kernel covers the prefix the elementwise
+        // fuser can finish.
+        let mut fuser = fuser([
+            Some(Stand::new(elementwise, elementwise)),
+            None,
+            Some(Stand::new(elementwise, a_reduction)),
+            None,
+        ]);
+        let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4), sum(4, 5)];
+        assert_eq!(offer_all(&mut fuser, &program), 3);
+        assert_eq!(fuser.chosen(), Some((3, Kind::Elementwise)));
+        // The refused reduction's conversion was taken back.
+        assert_eq!(fuser.relative.marks.len(), 3);
+    }
+
+    #[test]
+    fn an_operation_without_a_relative_form_or_a_disabled_reduction_is_refused() {
+        let stand = Stand::new(anything, anything);
+        let fed = stand.fed.clone();
+        let mut fuser = fuser([Some(stand), None, None, None]);
+        // No reduce fuser: a reduction is not offered to any fuser.
+        assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), sum(2, 3)]), 1);
+        reset(&mut fuser);
+        assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), unfusable(2, 3)]), 1);
+        // Fed the first addition only (the second run's is a known prefix).
+        assert_eq!(fed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_known_prefix_asks_no_fuser() {
+        let stand = Stand::new(elementwise, elementwise);
+        let fed = stand.fed.clone();
+        let mut fuser = fuser([Some(stand), None, None, None]);
+        let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4)];
+        assert_eq!(offer_all(&mut fuser, &program), 3);
+        let first = fed.load(Ordering::Relaxed);
+        assert_eq!(first, 3);
+        reset(&mut fuser);
+        // The same run with other global ids has the same relative form.
+        let again = [add(10, 11, 12), add(12, 11, 13), add(13, 11, 14)];
+        assert_eq!(offer_all(&mut fuser, &again), 3);
+        assert_eq!(fed.load(Ordering::Relaxed), first);
+        assert_eq!(fuser.chosen(), Some((3, Kind::Elementwise)));
+    }
+
+    #[test]
+    fn a_new_run_starts_every_fuser_from_a_fresh_clone() {
+        let stand = Stand::new(anything, a_reduction);
+        let clones = stand.clones.clone();
+        let mut fuser = fuser([None, None, Some(stand), None]);
+        assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), sum(2, 3)]), 2);
+        assert_eq!(clones.load(Ordering::Relaxed), 1);
+        reset(&mut fuser);
+        // A different run: the fuser fed the last one is not reset (the stand-in panics if
+        // it is) but replaced by a clone of the pristine one.
+        assert_eq!(
+            offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3), sum(3, 4)]),
+            3
+        );
+        assert_eq!(clones.load(Ordering::Relaxed), 2);
+        assert_eq!(fuser.chosen(), Some((3, Kind::Reduce)));
+        // A known prefix, then a new operation: a clone fed the known prefix takes it.
+        reset(&mut fuser);
+        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(4, 4, 5)];
+        assert_eq!(offer_all(&mut fuser, &program), 4);
+        assert_eq!(clones.load(Ordering::Relaxed), 3);
+        assert_eq!(fuser.chosen(), Some((4, Kind::Reduce)));
+    }
+
+    #[test]
+    fn rolling_back_to_a_prefix_gives_that_prefix_s_conversion() {
+        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4)];
+        let mut long = Relative::default();
+        for op in &program {
+            long.op(op);
+        }
+        long.roll_back_to(1);
+        let mut short = Relative::default();
+        short.op(&program[0]);
+        assert_eq!(long.relative2global, short.relative2global);
+        assert_eq!(long.global2relative, short.global2relative);
+        assert_eq!(long.shapes_relative2global, short.shapes_relative2global);
+        assert_eq!(long.shapes_global2relative, short.shapes_global2relative);
+        assert_eq!(long.marks.len(), 1);
+    }
+
+    #[test]
+    fn the_fusers_env_names_fusers() {
+        assert_eq!(parse_kinds(""), Ok(0));
+        assert_eq!(parse_kinds("none"), Ok(0));
+        assert_eq!(parse_kinds("elementwise, matmul"), Ok(DEFAULT_KINDS));
+        assert_eq!(parse_kinds("all"), Ok(0b1111));
+        assert_eq!(
+            parse_kinds("reduce,reduce_broadcasted"),
+            Ok(Kind::Reduce.bit() | Kind::ReduceBroadcasted.bit())
+        );
+        let error = parse_kinds("elementwise,softmax").unwrap_err();
+        assert!(error.contains("unknown fuser `softmax`"), "{error}");
     }
 }

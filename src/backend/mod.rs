@@ -17,7 +17,7 @@
 //! * with the `cuda` feature, `StreamFusion<CubeBackend<CudaRuntime, ..>>` fuses each run of
 //!   elementwise operations, and each matmul with the elementwise operations after it, into one
 //!   kernel, through burn-cubecl-fusion's fusers (`cube_fuser`; switch it with
-//!   [`crate::MultiStream::set_fusion`]). Other
+//!   [`crate::MultiStream::set_fusion`]; the reduce fusers are opt-in, see `FUSERS_ENV`). Other
 //!   backends run operation by operation unless a fuser is registered for them
 //!   ([`register_fuser`]).
 //!
@@ -64,7 +64,7 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 #[cfg(feature = "cuda")]
-pub use cube::{CubeStreamFuser, cube_fuser};
+pub use cube::{CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
 pub use fusion::register_fuser;
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};
