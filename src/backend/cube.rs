@@ -79,10 +79,9 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 /// `elementwise,matmul`. An unknown name is reported (a `tracing` warning) and the default is
 /// used.
 ///
-/// The reduce fusers are opt-in: with them on, burn 0.21's backend suite passes on the H200
-/// except one attention test (`test_attention_bool_mask_broadcast_batch_and_heads`), whose
-/// broadcasted-reduce kernel panics inside burn-cubecl-fusion's code generation while
-/// autotuning (see the README, "Reduce fusion").
+/// The reduce fusers are opt-in until burn 0.21's backend suite has run in full on the H200 with
+/// them on (see the README, "Reduce fusion (opt-in)"); on the benchmark's softmax they gain
+/// nothing measurable yet.
 pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 
 /// The fusers, in the order that breaks a tie between two that cover the same run.
