@@ -464,7 +464,7 @@ mod cuda_fusion {
 
     /// The largest difference between two results, relative to the larger magnitude (or to 1
     /// below 1), and how many elements agree bit for bit.
-    fn compare(a: &TensorData, b: &TensorData) -> (f32, usize) {
+    pub(super) fn compare(a: &TensorData, b: &TensorData) -> (f32, usize) {
         let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
         assert_eq!(a.len(), b.len());
         let same = a
@@ -680,6 +680,7 @@ mod cuda_fusion {
 /// every fuser through `register_fuser`: the rest of this file keeps the default fusers.
 #[cfg(feature = "cuda")]
 mod cuda_reduce_fusion {
+    use super::cuda_fusion::compare;
     use super::*;
     use burn_cubecl::CubeBackend;
     use cubecl::cuda::CudaRuntime;
@@ -735,47 +736,41 @@ mod cuda_reduce_fusion {
         (data, kernels, after.ops_fused - before.ops_fused)
     }
 
-    /// The largest difference relative to the larger magnitude (or 1), and the bitwise matches.
-    fn differ(a: &TensorData, b: &TensorData) -> (f32, usize) {
-        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-        assert_eq!(a.len(), b.len());
-        let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits());
-        let worst = a.iter().zip(&b);
-        let worst = worst.map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1.0));
-        (worst.fold(0.0, f32::max), same.count())
-    }
-
     /// Sums of 256 terms may be accumulated in another order by the fused kernel than by plain
     /// `sum_dim` (both are cubecl reductions, autotuned separately).
     const TOLERANCE: f32 = 1e-5;
 
+    /// `run` fused on `WideOurs` is one kernel over `ops` operations, within [`TOLERANCE`] of
+    /// plain `Wide`.
+    fn one_kernel_close_to_plain(
+        what: &str,
+        ops: u64,
+        ours: fn(Tensor<WideOurs, 2>) -> TensorData,
+        plain: fn(Tensor<Wide, 2>) -> TensorData,
+    ) {
+        let (got, kernels, fused_ops) = fused(ours);
+        let want = plain(input::<Wide>(&Default::default()));
+        let (worst, same) = compare(&got, &want);
+        println!(
+            "{what}: {kernels} kernel(s) over {fused_ops} ops; {same}/{} bit for bit, worst \
+             {worst:e}",
+            want.num_elements()
+        );
+        assert_eq!(kernels, 1);
+        assert_eq!(fused_ops, ops);
+        assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+    }
+
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn a_reduction_and_the_elementwise_operations_around_it_are_one_kernel() {
-        let (got, kernels, ops) = fused(reduce_run::<WideOurs>);
-        let want = reduce_run(input::<Wide>(&Default::default()));
-        let (worst, same) = differ(&got, &want);
-        println!(
-            "reduce run: {kernels} kernel(s) over {ops} ops; {same}/64 bit for bit, worst {worst:e}"
-        );
-        assert_eq!(kernels, 1);
-        assert_eq!(ops, 5);
-        assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+        one_kernel_close_to_plain("reduce run", 5, reduce_run, reduce_run);
     }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn a_softmax_is_one_broadcasted_reduce_kernel() {
-        let (got, kernels, ops) = fused(softmax_run::<WideOurs>);
-        let want = softmax_run(input::<Wide>(&Default::default()));
-        let (worst, same) = differ(&got, &want);
-        println!(
-            "softmax: {kernels} kernel(s) over {ops} ops; {same}/{} bit for bit, worst {worst:e}",
-            64 * 256
-        );
-        assert_eq!(kernels, 1);
-        assert_eq!(ops, 6);
-        assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+        one_kernel_close_to_plain("softmax", 6, softmax_run, softmax_run);
     }
 
     #[test]
@@ -809,7 +804,7 @@ mod cuda_reduce_fusion {
                 assert_eq!(kernels, 1, "round {round}");
                 match got.dtype {
                     burn_tensor::DType::F32 => {
-                        let (worst, _) = differ(&got, want);
+                        let (worst, _) = compare(&got, want);
                         assert!(worst <= TOLERANCE, "round {round}: worst {worst:e}");
                     }
                     _ => assert_eq!(&got, want, "round {round}"),
