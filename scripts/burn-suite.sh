@@ -2,7 +2,11 @@
 # Run burn's own backend test suite (crates/burn-backend-tests at v0.21.0) against
 # fusion_streams::backend::StreamFusion<NdArray<f32>> (or, with `cuda`, StreamFusion<CubeBackend>).
 #
-#   scripts/burn-suite.sh BURN_CHECKOUT [DIR] [cuda]
+#   scripts/burn-suite.sh BURN_CHECKOUT [DIR] [cuda|cuda-plain|cuda-burn-fusion]
+#
+# `cuda-plain` and `cuda-burn-fusion` are the controls: the same suite on plain
+# CubeBackend<CudaRuntime>, and on burn-fusion's Fusion<CubeBackend> (burn's own fusion), with no
+# fusion-streams in the way, so a CUDA failure can be told apart from one of ours.
 #
 # BURN_CHECKOUT is a git checkout (or bare mirror) of github.com/tracel-ai/burn that has the
 # v0.21.0 tag. The suite is extracted into DIR (default ../burn-suite, outside this repository:
@@ -41,6 +45,8 @@ std = []
 quantization = []
 ndarray = []
 cuda = ["fusion-streams/cuda", "dep:burn-cubecl", "dep:cubecl"]
+plain = ["cuda"]
+burn-fusion = ["cuda", "dep:burn-fusion"]
 cube = []
 flex = []
 tch = []
@@ -60,6 +66,7 @@ serial_test = "3.2.0"
 rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
 burn-cubecl = { version = "=0.21.0", optional = true }
 cubecl = { version = "=0.10.0", optional = true, features = ["cuda"] }
+burn-fusion = { version = "=0.21.0", optional = true }
 
 [dev-dependencies]
 ctor = "0.10.1"
@@ -81,10 +88,16 @@ use super::{FloatElem, IntElem};
 // The backend under test: fusion-streams' StreamFusion over burn's NdArray (or CubeBackend).
 #[cfg(not(feature = "cuda"))]
 pub type TestBackend = fusion_streams::backend::StreamFusion<burn_ndarray::NdArray<f32>>;
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", not(feature = "plain"), not(feature = "burn-fusion")))]
 pub type TestBackend = fusion_streams::backend::StreamFusion<
     burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>,
 >;
+// The control (`cuda-plain`): burn's own CUDA backend, unfused, without fusion-streams.
+#[cfg(feature = "plain")]
+pub type TestBackend = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+// The other control (`cuda-burn-fusion`): burn-fusion over it, burn's own fused backend.
+#[cfg(feature = "burn-fusion")]
+pub type TestBackend = burn_fusion::Fusion<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>>;
 
 #[ctor]
 fn init_device_settings() {
@@ -118,6 +131,7 @@ sed -i 's|#\[path = "common/backend.rs"\]|#[path = "common/backend_autodiff.rs"]
 sed -e 's|^pub type TestBackend = fusion_streams::backend::StreamFusion<burn_ndarray::NdArray<f32>>;$|pub type TestBackend = burn_autodiff::Autodiff<fusion_streams::backend::StreamFusion<burn_ndarray::NdArray<f32>>>;|' \
     -e 's|^pub type TestBackend = fusion_streams::backend::StreamFusion<$|pub type TestBackend = burn_autodiff::Autodiff<fusion_streams::backend::StreamFusion<|' \
     -e 's|^>;$|>>;|' \
+    -e 's|^pub type TestBackend = \(burn_.*\);$|pub type TestBackend = burn_autodiff::Autodiff<\1>;|' \
     "$dir/tests/common/backend.rs" > "$dir/tests/common/backend_autodiff.rs"
 cat > "$dir/tests/common/autodiff.rs" <<'RS'
 // burn's autodiff tests, with burn-dispatch's autodiff device replaced by burn's Autodiff
@@ -163,9 +177,19 @@ RS
 
 cd "$dir"
 features=()
-if [ "$mode" = cuda ]; then
-    export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
-    features=(--no-default-features --features std,quantization,cuda)
-fi
+case "$mode" in
+    host) ;;
+    cuda)
+        export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+        features=(--no-default-features --features std,quantization,cuda)
+        ;;
+    cuda-plain | cuda-burn-fusion)
+        # Without `quantization`: its tests call `default_quant_scheme`, which burn's dispatch
+        # backend (and StreamFusion) has and the controls do not.
+        export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+        features=(--no-default-features --features "std,${mode#cuda-}")
+        ;;
+    *) echo "burn-suite.sh: unknown mode '$mode' (host, cuda, cuda-plain or cuda-burn-fusion)" >&2; exit 2 ;;
+esac
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target/burn-suite}" \
     cargo test --release "${features[@]}" --test "${SUITE_TARGET:-tensor}" -- "$@"
