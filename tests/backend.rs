@@ -607,6 +607,53 @@ mod cuda_fusion {
         assert!(worst <= 1e-2, "worst relative difference {worst:e}");
     }
 
+    /// Attention scores of one problem, `q kᵀ · 0.17`, plus an `f32` bias, then masked by a bool
+    /// (`u8`) mask instead: each a matmul run, read at once.
+    fn biased_then_masked<B: Backend>(
+        device: &B::Device,
+    ) -> [Result<TensorData, burn_backend::ExecutionError>; 2] {
+        let input = |shape: [usize; 4], seed: usize| {
+            let n = shape.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|i| (((i * 7 + seed) % 23) as f32 - 11.0) / 11.0)
+                .collect();
+            Tensor::<B, 4>::from_data(TensorData::new(v, shape), device)
+        };
+        let (q, k) = (input([2, 3, 16, 32], 1), input([2, 3, 16, 32], 5));
+        let bias = input([1, 1, 16, 16], 3);
+        let mask = bias.clone().greater_elem(0.0);
+        let scores = || q.clone().matmul(k.clone().swap_dims(2, 3)) * 0.17;
+        let biased = (scores() + bias).try_into_data();
+        let masked = scores().mask_fill(mask, -4.0).try_into_data();
+        [biased, masked]
+    }
+
+    /// burn-cubecl-fusion keys a fused matmul's autotune result alike for both runs of
+    /// `biased_then_masked`, although the bool mask's `u8` vectors need another kernel (see
+    /// `uniform_width` in `src/backend/cube.rs`). The masked run reused the biased run's choice,
+    /// failed to compile at launch and failed its read. Both reads now succeed, with plain's
+    /// values up to the matmul's rounding (as above).
+    ///
+    /// The collision needs the key out of cubecl's autotune cache, which cubecl keeps in the
+    /// `target/` beside the nearest `Cargo.toml` above the working directory: run this test from
+    /// a fresh directory holding an empty `Cargo.toml` to exercise it.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn a_masked_matmul_run_after_a_biased_one_of_the_same_problem() {
+        let device = Default::default();
+        let ours = biased_then_masked::<Ours>(&device);
+        let plain = biased_then_masked::<Plain>(&device);
+        for ((ours, plain), run) in ours.into_iter().zip(plain).zip(["biased", "masked"]) {
+            let ours = ours.unwrap_or_else(|error| panic!("{run} run: {error}"));
+            let (worst, same) = compare(&ours, &plain.unwrap());
+            println!("{run} run vs plain: {same}/1536 bit for bit, worst {worst:e}");
+            assert!(
+                worst <= 1e-2,
+                "{run} run: worst relative difference {worst:e}"
+            );
+        }
+    }
+
     /// Eleven elementwise steps of the moved-tensor tests: doubled, then ten times `(t + 1) / 2`.
     fn halvings<B: Backend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
         let mut t = x * 2.0;

@@ -324,6 +324,10 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             if self.runs[at].alive & kind.bit() == 0 {
                 continue;
             }
+            if kind == Kind::Matmul && !one_input_width(&self.offered_relative[..depth], op) {
+                // Never offered: the run ends here for the matmul fuser (see `one_input_width`).
+                continue;
+            }
             let fuser = self.fed(kind, depth);
             if matches!(fuser.status(), FuserStatus::Closed) {
                 continue;
@@ -582,6 +586,45 @@ fn reduction(op: &OperationIr) -> Option<&ReduceDimOpIr> {
         },
         _ => None,
     }
+}
+
+/// Whether every tensor the run `prefix` then `op` reads from outside itself (not an output
+/// of an earlier operation of the run) has the same element width: the only runs the matmul
+/// fuser is offered.
+///
+/// burn-cubecl-fusion 0.21 keys a fused matmul's autotune result by the matmul problem and the
+/// number of operations and outputs in its run, not by the widths of the other tensors the run
+/// reads, although those set the kernel's vector sizes. Two runs with one key can therefore need
+/// different kernels: `scores * s + bias` (all `f32`) and `scores * s` masked by a bool mask
+/// read as `u8`. Tuned on the first, the choice was reused for the second, whose 16-wide `u8`
+/// vectors the chosen stage layout cannot hold: the launch failed to compile ("Invalid vector
+/// size. Got 16 which should not be >8") and failed the next read on the stream. burn's
+/// `attention::test_attention_bool_mask_broadcast_batch_and_heads` hit this on a cold autotune
+/// cache after the bias-broadcast tests (measured on the H200; the log is in `docs/fusion/`).
+/// Keeping reads of another width out of matmul runs gives every run under one key one width;
+/// the masking then runs as its own elementwise kernel. A bool made inside the run (`relu`'s
+/// mask) is not read from memory and stays fused. A run's bool *output* of another width is not
+/// caught by this rule; none was seen to collide.
+///
+/// Relative ids are the same for every run of one relative prefix, so the answer is too (the
+/// trie may keep it).
+fn one_input_width(prefix: &[OperationIr], op: &OperationIr) -> bool {
+    let made_here = |id: &TensorId, before: &[OperationIr]| {
+        before
+            .iter()
+            .any(|op| op.outputs().any(|out| out.id == *id))
+    };
+    let mut widths = prefix
+        .iter()
+        .enumerate()
+        .chain([(prefix.len(), op)])
+        .flat_map(|(at, op)| {
+            op.inputs()
+                .filter(move |input| !made_here(&input.id, &prefix[..at]))
+                .map(|input| input.dtype.size())
+        });
+    let first = widths.next();
+    widths.all(|width| Some(width) == first)
 }
 
 /// Whether neither operand of a matmul is quantized (the matmul fuser's quantized path is
@@ -1169,6 +1212,61 @@ mod tests {
         assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), unfusable(2, 3)]), 1);
         // Fed the first addition only (the second run's is a known prefix).
         assert_eq!(fed.load(Ordering::Relaxed), 1);
+    }
+
+    /// `out = input`, or -1 where `mask` (a `u8` bool) holds, over `[4, 8]` tensors.
+    fn mask_fill(input: u64, mask: u64, out: u64) -> OperationIr {
+        OperationIr::BaseFloat(BaseOperationIr::MaskFill(MaskFillOpIr {
+            tensor: tensor(input, [4, 8], TensorStatus::ReadWrite),
+            mask: TensorIr {
+                dtype: DType::Bool(burn_backend::BoolStore::U8),
+                ..tensor(mask, [4, 8], TensorStatus::ReadOnly)
+            },
+            value: ScalarIr::Float(-1.0),
+            out: tensor(out, [4, 8], TensorStatus::NotInit),
+        }))
+    }
+
+    /// `out = input <= 0` (a `u8` bool), over `[4, 8]` tensors.
+    fn non_positive(input: u64, out: u64) -> OperationIr {
+        OperationIr::NumericFloat(
+            DType::F32,
+            NumericOperationIr::LowerEqualElem(ScalarOpIr {
+                lhs: tensor(input, [4, 8], TensorStatus::ReadOnly),
+                rhs: ScalarIr::Float(0.0),
+                out: TensorIr {
+                    dtype: DType::Bool(burn_backend::BoolStore::U8),
+                    ..tensor(out, [4, 8], TensorStatus::NotInit)
+                },
+            }),
+        )
+    }
+
+    #[test]
+    fn a_matmul_run_reads_one_width() {
+        let takes_all = || Some(Stand::new(anything, anything));
+        let mut matmul = fuser([None, takes_all(), None, None]);
+        // The mask comes from outside the run: refused.
+        assert_eq!(
+            offer_all(&mut matmul, &[add(0, 1, 2), mask_fill(2, 3, 4)]),
+            1
+        );
+        assert_eq!(matmul.chosen(), Some((1, Kind::Matmul)));
+
+        // Made inside the run (`relu`'s mask), it is never read from memory: taken.
+        let mut relu = fuser([None, takes_all(), None, None]);
+        let program = [add(0, 1, 2), non_positive(2, 3), mask_fill(2, 3, 4)];
+        assert_eq!(offer_all(&mut relu, &program), 3);
+        assert_eq!(relu.chosen(), Some((3, Kind::Matmul)));
+
+        // The elementwise fuser takes it: the run goes on without the matmul fuser.
+        let mut both = fuser([takes_all(), takes_all(), None, None]);
+        let program = [add(0, 1, 2), mask_fill(2, 3, 4), add(4, 1, 5)];
+        assert_eq!(offer_all(&mut both, &program), 3);
+        assert_eq!(both.chosen(), Some((3, Kind::Elementwise)));
+        let alive = |depth: usize| both.runs[both.path[depth]].alive;
+        assert_eq!(alive(1), Kind::Elementwise.bit() | Kind::Matmul.bit());
+        assert_eq!(alive(2), Kind::Elementwise.bit());
     }
 
     #[test]
