@@ -609,22 +609,18 @@ fn reduction(op: &OperationIr) -> Option<&ReduceDimOpIr> {
 /// Relative ids are the same for every run of one relative prefix, so the answer is too (the
 /// trie may keep it).
 fn one_input_width(prefix: &[OperationIr], op: &OperationIr) -> bool {
-    let made_here = |id: &TensorId, before: &[OperationIr]| {
-        before
-            .iter()
-            .any(|op| op.outputs().any(|out| out.id == *id))
-    };
-    let mut widths = prefix
-        .iter()
-        .enumerate()
-        .chain([(prefix.len(), op)])
-        .flat_map(|(at, op)| {
-            op.inputs()
-                .filter(move |input| !made_here(&input.id, &prefix[..at]))
-                .map(|input| input.dtype.size())
-        });
-    let first = widths.next();
-    widths.all(|width| Some(width) == first)
+    let mut made_here: SmallVec<[TensorId; 16]> = SmallVec::new();
+    let mut width = None;
+    for op in prefix.iter().chain([op]) {
+        for input in op.inputs().filter(|input| !made_here.contains(&input.id)) {
+            let size = input.dtype.size();
+            if *width.get_or_insert(size) != size {
+                return false;
+            }
+        }
+        made_here.extend(op.outputs().map(|out| out.id));
+    }
+    true
 }
 
 /// Whether neither operand of a matmul is quantized (the matmul fuser's quantized path is
