@@ -418,14 +418,17 @@ where
             self.runs[at].optimizations.push((kind, built));
         }
         self.relative.roll_back_to(depth);
-        let relative = std::mem::take(&mut self.relative);
-        let fallbacks = std::mem::take(&mut self.fallbacks);
         let optimization = self.runs[at]
             .optimizations
             .iter_mut()
             .find_map(|(k, optimization)| (*k == kind).then_some(optimization))
             .expect("built above");
-        run::<R, CubeBackend<R, F, I, BT>>(optimization, &fallbacks, relative, handles)?;
+        run::<R, CubeBackend<R, F, I, BT>>(
+            optimization,
+            &self.fallbacks,
+            &mut self.relative,
+            handles,
+        )?;
         Ok(1)
     }
 
@@ -443,7 +446,7 @@ where
         }
         self.offered_relative.clear();
         self.fallbacks.clear();
-        self.relative = Relative::default();
+        self.relative.clear();
         self.path.truncate(1);
         if self.runs.len() >= MAX_NODES {
             // Start over rather than grow without bound.
@@ -453,19 +456,20 @@ where
     }
 }
 
-/// Run the fused kernel over the stream's handles, which the context owns for the call and
-/// always gives back (a panic included: it becomes the run's error).
+/// Run the fused kernel over the stream's handles and the run's relative maps, which the context
+/// owns for the call and always gives back (a panic included: it becomes the run's error). The
+/// maps come back to be cleared and reused by the next run, not reallocated.
 fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
     optimization: &mut CubeOptimization<R>,
     fallbacks: &[(usize, OperationIr)],
-    relative: Relative,
+    relative: &mut Relative,
     handles: &mut HandleContainer<CubeFusionHandle<R>>,
 ) -> Result<()> {
     let mut context = Context {
-        tensors: relative.relative2global,
+        tensors: std::mem::take(&mut relative.relative2global),
         handles: std::mem::take(handles),
-        scalars: relative.scalars,
-        shapes_relative2global: relative.shapes_relative2global,
+        scalars: std::mem::take(&mut relative.scalars),
+        shapes_relative2global: std::mem::take(&mut relative.shapes_relative2global),
     };
     // The operation at `index` in the run, run unfused by the backend.
     let fallback = |index: usize| -> Box<dyn FallbackOperation<R>> {
@@ -482,6 +486,9 @@ fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
         CubeOptimization::ReduceBroadcasted(reduce) => reduce.execute(&mut context, fallback),
     }));
     *handles = context.handles;
+    relative.relative2global = context.tensors;
+    relative.scalars = context.scalars;
+    relative.shapes_relative2global = context.shapes_relative2global;
     outcome.map_err(|payload| Error::from_kernel_panic("fused kernel", payload))
 }
 
@@ -673,13 +680,15 @@ struct Relative {
     marks: Vec<usize>,
 }
 
-/// One change of a conversion, with what it replaced.
+/// One change of a conversion, with what it replaced. Small (24 bytes): a run's undo log grows
+/// by one per tensor of each operation offered.
 enum Undo {
+    /// A tensor converted: seen first here (`None`: its entries go), or seen before with this
+    /// status (a tensor's id, shape and dtype never change, so its status is all that did).
     Tensor {
         global: TensorId,
         relative: TensorId,
-        global2relative: Option<TensorIr>,
-        relative2global: Option<TensorIr>,
+        before: Option<TensorStatus>,
     },
     Shape(usize, usize),
     Scalar(ScalarId),
@@ -687,25 +696,54 @@ enum Undo {
 
 impl Default for Relative {
     fn default() -> Self {
-        // Size 1 is always dimension id 0.
-        Self {
+        let mut relative = Self {
             global2relative: HashMap::new(),
             relative2global: HashMap::new(),
-            shapes_global2relative: HashMap::from_iter([(1, 0)]),
-            shapes_relative2global: HashMap::from_iter([(0, 1)]),
+            shapes_global2relative: HashMap::new(),
+            shapes_relative2global: HashMap::new(),
             scalars: HashMap::new(),
             undo: Vec::new(),
             marks: Vec::new(),
-        }
+        };
+        relative.clear();
+        relative
     }
 }
 
 impl Relative {
+    /// Empty, as for a new run, keeping the maps' memory (a stream's runs are alike in size).
+    fn clear(&mut self) {
+        self.global2relative.clear();
+        self.relative2global.clear();
+        self.shapes_global2relative.clear();
+        self.shapes_relative2global.clear();
+        self.scalars.clear();
+        self.undo.clear();
+        self.marks.clear();
+        // Size 1 is always dimension id 0.
+        self.shapes_global2relative.insert(1, 0);
+        self.shapes_relative2global.insert(0, 1);
+    }
+
     fn tensor(&mut self, ir: &TensorIr) -> TensorIr {
-        let id = match self.global2relative.get(&ir.id) {
-            Some(known) => known.id,
-            None => TensorId::new(self.relative2global.len() as u64),
-        };
+        if let Some(known) = self.global2relative.get_mut(&ir.id) {
+            // Seen before in this run: only its status is new.
+            let before = std::mem::replace(&mut known.status, ir.status);
+            let relative = known.clone();
+            let global = self
+                .relative2global
+                .get_mut(&relative.id)
+                .expect("a tensor is in both maps or in neither");
+            debug_assert_eq!((&global.shape, global.dtype), (&ir.shape, ir.dtype));
+            global.status = ir.status;
+            self.undo.push(Undo::Tensor {
+                global: ir.id,
+                relative: relative.id,
+                before: Some(before),
+            });
+            return relative;
+        }
+        let id = TensorId::new(self.relative2global.len() as u64);
         let shape: Shape = ir
             .shape
             .iter()
@@ -726,13 +764,12 @@ impl Relative {
             status: ir.status,
             dtype: ir.dtype,
         };
-        let relative2global = self.relative2global.insert(id, ir.clone());
-        let global2relative = self.global2relative.insert(ir.id, relative.clone());
+        self.relative2global.insert(id, ir.clone());
+        self.global2relative.insert(ir.id, relative.clone());
         self.undo.push(Undo::Tensor {
             global: ir.id,
             relative: id,
-            global2relative,
-            relative2global,
+            before: None,
         });
         relative
     }
@@ -763,17 +800,22 @@ impl Relative {
                 Undo::Tensor {
                     global,
                     relative,
-                    global2relative,
-                    relative2global,
+                    before: Some(status),
                 } => {
-                    match global2relative {
-                        Some(before) => self.global2relative.insert(global, before),
-                        None => self.global2relative.remove(&global),
-                    };
-                    match relative2global {
-                        Some(before) => self.relative2global.insert(relative, before),
-                        None => self.relative2global.remove(&relative),
-                    };
+                    let unknown = "a tensor converted before is in both maps";
+                    self.global2relative.get_mut(&global).expect(unknown).status = status;
+                    self.relative2global
+                        .get_mut(&relative)
+                        .expect(unknown)
+                        .status = status;
+                }
+                Undo::Tensor {
+                    global,
+                    relative,
+                    before: None,
+                } => {
+                    self.global2relative.remove(&global);
+                    self.relative2global.remove(&relative);
                 }
                 Undo::Shape(dim, relative) => {
                     self.shapes_global2relative.remove(&dim);
@@ -1321,6 +1363,26 @@ mod tests {
         assert_eq!(long.shapes_relative2global, short.shapes_relative2global);
         assert_eq!(long.shapes_global2relative, short.shapes_global2relative);
         assert_eq!(long.marks.len(), 1);
+    }
+
+    #[test]
+    fn a_cleared_conversion_converts_like_a_fresh_one() {
+        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4)];
+        let mut reused = Relative::default();
+        for op in &program {
+            reused.op(op);
+        }
+        reused.clear();
+        let mut fresh = Relative::default();
+        let again = [add(10, 11, 12), add(12, 11, 13), sum(13, 14)];
+        for op in &again {
+            assert_eq!(reused.op(op), fresh.op(op));
+        }
+        assert_eq!(reused.relative2global, fresh.relative2global);
+        assert_eq!(reused.global2relative, fresh.global2relative);
+        assert_eq!(reused.shapes_relative2global, fresh.shapes_relative2global);
+        assert_eq!(reused.shapes_global2relative, fresh.shapes_global2relative);
+        assert_eq!(reused.undo.len(), fresh.undo.len());
     }
 
     #[test]
