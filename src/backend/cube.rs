@@ -31,7 +31,10 @@
 //! after the run (a later consuming use) never leaks into it. The fusers decide on the relative
 //! form alone, so their decisions and kernels are remembered per relative prefix (a trie of
 //! runs, as burn-fusion caches its optimizations by relative graph): a run seen before costs a
-//! lookup per operation and no fuser work.
+//! lookup per operation and no fuser work. The conversion's maps are lent to the kernel's
+//! context and come back to be cleared for the next run, so a stream's steady state allocates
+//! nothing for them; a tensor seen again in a run changes only its status, which is all the
+//! undo log keeps of it.
 //!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. This crate's CUDA rule
