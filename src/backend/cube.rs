@@ -1345,7 +1345,7 @@ mod tests {
         assert_eq!(fuser.chosen(), Some((3, Kind::Reduce)));
         // A known prefix, then a new operation: a clone fed the known prefix takes it.
         reset(&mut fuser);
-        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(4, 4, 5)];
+        let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(5, 1, 6)];
         assert_eq!(offer_all(&mut fuser, &program), 4);
         assert_eq!(clones.load(Ordering::Relaxed), 3);
         assert_eq!(fuser.chosen(), Some((4, Kind::Reduce)));
