@@ -697,6 +697,11 @@ enum Undo {
     Scalar(ScalarId),
 }
 
+const _: () = assert!(
+    std::mem::size_of::<Undo>() <= 24,
+    "the undo record stays small"
+);
+
 impl Default for Relative {
     fn default() -> Self {
         let mut relative = Self {
