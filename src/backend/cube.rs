@@ -37,13 +37,13 @@
 //! undo log keeps of it.
 //!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
-//! handle has no other owner (`can_mut`), which already keeps views safe. This crate's CUDA rule
+//! handle has no other owner (`can_mut`), which already keeps views safe. The engine's CUDA rule
 //! adds that a buffer is written in place only on the stream that allocated it (see
-//! [`crate::cuda`]): cubecl orders another stream's access to a buffer after the *allocating*
-//! stream's work, so a write on a third stream would be invisible to it. A consumed input
-//! allocated on another stream is offered to the fusers as `ReadOnly`, so the fused kernel gives
-//! it a fresh output instead (the engine still releases it after the run); an operation that
-//! runs unfused gets the same rule through [`Fuser::keeps_read_only`].
+//! `cross_stream`): the engine orders another stream's use of a buffer after everything its
+//! allocating stream dispatched, so every write must happen there. A consumed input allocated on
+//! another stream is offered to the fusers as `ReadOnly`, so the fused kernel gives it a fresh
+//! output instead (the engine still releases it after the run, in order); an operation that runs
+//! unfused gets the same rule from the engine ([`StreamRuntime::foreign_to`](crate::runtime::StreamRuntime::foreign_to)).
 
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -433,10 +433,6 @@ where
             handles,
         )?;
         Ok(1)
-    }
-
-    fn keeps_read_only(&self, handle: &CubeFusionHandle<R>) -> bool {
-        allocated_elsewhere(handle)
     }
 
     fn reset(&mut self) {

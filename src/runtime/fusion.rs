@@ -31,8 +31,9 @@ use crate::Result;
 /// * **Shares and reads.** A share or a read drains the whole queue before aliasing or reading,
 ///   so a run never spans one: what is drained is complete before the alias exists.
 /// * **Aliases.** The fuser sees the stream's handles when an operation is offered, so it can
-///   refuse to write in place a buffer that another owner (a view) holds or that another stream
-///   allocated.
+///   refuse to write in place a buffer that another owner (a view) holds or that is foreign to
+///   the stream ([`StreamRuntime::foreign_to`]); an operation that runs unfused gets the second
+///   rule from the engine.
 pub trait Fuser<R: StreamRuntime>: Send {
     /// Offer the next queued operation. `false` when it cannot join the run (the run ends
     /// before it, and it will be offered again, first, to a reset fuser). `handles` are the
@@ -55,19 +56,4 @@ pub trait Fuser<R: StreamRuntime>: Send {
 
     /// Forget everything offered.
     fn reset(&mut self);
-
-    /// Whether an operation that runs *without* fusion must leave `handle`, one of its consumed
-    /// (`ReadWrite`) inputs, unwritten. The engine then holds a second owner of the handle while
-    /// the operation runs, so the backend's own in-place check (cubecl's `can_mut`, NdArray's
-    /// `is_unique`) refuses and the operation writes a fresh buffer. A fused run applies the
-    /// same rule itself, when it is offered the operation (see [`Fuser::offer`]).
-    ///
-    /// This is where a backend's stream rules reach operations that no fuser sees: the CUDA
-    /// backends keep a buffer that another stream allocated read-only (`cube_fuser` in
-    /// [`crate::backend`], feature `cuda`). It is asked whether fusion is on or off. By
-    /// default, nothing is kept read-only.
-    fn keeps_read_only(&self, handle: &R::FusionHandle) -> bool {
-        let _ = handle;
-        false
-    }
 }

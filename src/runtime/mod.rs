@@ -6,7 +6,7 @@
 //! (an asynchronous CPU device, the default) and the CUDA runtime behind the `cuda` feature
 //! implement it.
 
-use burn_backend::{DType, Shape, TensorData};
+use burn_backend::{DType, Shape, StreamId, TensorData};
 use burn_fusion::FusionRuntime;
 use burn_ir::TensorIr;
 
@@ -190,6 +190,37 @@ pub trait StreamRuntime: FusionRuntime {
     /// on.
     fn fuser(_ctx: &Self::Context) -> Option<Box<dyn Fuser<Self>>> {
         None
+    }
+
+    /// Whether `handle`'s buffer belongs to another stream than `stream` in the sense of the
+    /// device's ordering rules: work on `stream` that uses it must be ordered after its writes
+    /// ([`StreamRuntime::order_use`]), must never write it in place, and must have finished
+    /// before the buffer can be reused ([`StreamRuntime::release_after_use`]).
+    ///
+    /// `false` by default: a device that orders every access to a buffer by itself (the host
+    /// runtime's buffers carry their last writer's completion marker, and an in-flight kernel
+    /// holds a reference to each buffer it reads). The CUDA backend says `true` for a buffer
+    /// that another cubecl stream allocated (see [`crate::backend`], "Streams on CUDA").
+    fn foreign_to(ctx: &Self::Context, handle: &Self::FusionHandle, stream: StreamId) -> bool {
+        let _ = (ctx, handle, stream);
+        false
+    }
+
+    /// Make work dispatched on `stream` from now on wait, on the device, for every write already
+    /// dispatched to `handle`'s buffer. The engine calls it when a buffer crosses to another
+    /// stream: a shared view is registered there, or a tensor is read there. Dispatch only: it
+    /// never waits. Nothing by default.
+    fn order_use(ctx: &Self::Context, handle: &Self::FusionHandle, stream: StreamId) {
+        let _ = (ctx, handle, stream);
+    }
+
+    /// Release `handles`, each [`foreign_to`](StreamRuntime::foreign_to) `stream`, whose
+    /// buffers work already dispatched on `stream` may still read: a buffer must not be reused
+    /// (by any stream) before that work has finished. Dispatch only: it never waits. By
+    /// default, drops them.
+    fn release_after_use(ctx: &Self::Context, stream: StreamId, handles: Vec<Self::FusionHandle>) {
+        let _ = (ctx, stream);
+        drop(handles);
     }
 
     /// Dispatch `kernel` on the current stream ([`burn_backend::StreamId::current`]) and return the

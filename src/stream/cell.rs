@@ -45,6 +45,10 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
         }
     }
 
+    fn settle(&mut self) {
+        StreamState::settle(self);
+    }
+
     fn entered() {
         LOCKS_HELD.with(|held| held.set(held.get() + 1));
     }

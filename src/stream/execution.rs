@@ -100,7 +100,7 @@ impl<R: StreamRuntime> StreamState<R> {
                     }
                     self.plan.clear();
                     for op in ops.drain(..) {
-                        self.execute_entry(op, fuser.as_deref());
+                        self.execute_entry(op);
                     }
                     self.fuser = fuser;
                 }
@@ -120,12 +120,12 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    /// Execute one queued entry without fusion (`fuser`: the stream's, for its in-place rule).
-    fn execute_entry(&mut self, entry: QueuedOp<R>, fuser: Option<&dyn Fuser<R>>) {
+    /// Execute one queued entry without fusion.
+    fn execute_entry(&mut self, entry: QueuedOp<R>) {
         match entry {
             QueuedOp::Drop(id) => self.free(id),
             QueuedOp::Op(op) => {
-                self.execute_one(&*op, fuser);
+                self.execute_one(&*op);
                 self.dispose(op);
             }
         }
@@ -160,7 +160,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 };
                 for _ in 0..end {
                     let entry = ops.pop_front().expect("a scanned entry");
-                    self.execute_entry(entry, Some(&*fuser));
+                    self.execute_entry(entry);
                 }
             }
             fuser.reset();
@@ -276,7 +276,7 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B, fuser: Option<&dyn Fuser<R>>) {
+    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
         self.counters.ops_executed += 1;
 
         if let Some(error) = self.input_failure(op) {
@@ -293,22 +293,24 @@ impl<R: StreamRuntime> StreamState<R> {
             return;
         }
 
-        // Consumed inputs the stream's rules keep read-only get a second owner for the call
-        // (see `Fuser::keeps_read_only`); it is released right after.
-        let kept: SmallVec<[R::FusionHandle; 2]> = match fuser {
-            Some(fuser) => op
-                .inputs()
-                .into_iter()
-                .filter(|input| input.status == TensorStatus::ReadWrite)
-                .filter_map(|input| self.handles.get_handle_ref(&input.id))
-                .filter(|handle| fuser.keeps_read_only(handle))
-                .cloned()
-                .collect(),
-            None => SmallVec::new(),
-        };
+        // A consumed input whose buffer is foreign to this stream gets a second owner for the
+        // call, so the backend's own in-place check (cubecl's `can_mut`) refuses it and the
+        // operation writes a fresh buffer; the second owner is then let go of in order, like
+        // the map's own handle (see `StreamState::let_go`), since the kernel just dispatched
+        // may still read the buffer after the operation dropped its own owner.
+        let kept: SmallVec<[R::FusionHandle; 2]> = op
+            .inputs()
+            .into_iter()
+            .filter(|input| input.status == TensorStatus::ReadWrite)
+            .filter_map(|input| self.handles.get_handle_ref(&input.id))
+            .filter(|handle| R::foreign_to(&self.context, handle, self.id))
+            .cloned()
+            .collect();
         let (handles, context) = (&mut self.handles, &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
-        drop(kept);
+        for handle in kept {
+            self.let_go(handle);
+        }
         let failure = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(error)) => Some(error),
@@ -395,7 +397,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// place a registered handle may be overwritten, and only by an error record.
     fn record_failure(&mut self, outputs: &[TensorIr], error: Error) {
         for out in outputs {
-            self.handles.remove_handle(out.id);
+            self.remove_handle(out.id);
             self.errors.insert(out.id, error.clone());
         }
     }
@@ -403,7 +405,7 @@ impl<R: StreamRuntime> StreamState<R> {
     fn consume_inputs<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
         for input in op.inputs() {
             if input.status == TensorStatus::ReadWrite {
-                self.handles.remove_handle(input.id);
+                self.remove_handle(input.id);
                 self.remove_error(input.id);
             }
         }

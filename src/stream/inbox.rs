@@ -32,6 +32,8 @@ pub(crate) trait Mailbox {
     fn apply(&mut self, message: Self::Message);
     /// Called when the current thread takes the lock, before anything is applied.
     fn entered() {}
+    /// Called with the lock held, after the inbox was applied and before the lock is released.
+    fn settle(&mut self) {}
     /// Called when the current thread has released the lock.
     fn left() {}
 }
@@ -87,15 +89,16 @@ impl<S: Mailbox> InboxLock<S> {
         }
     }
 
+    /// Apply the inbox, then let the state settle before its lock is released.
     fn apply(&self, state: &mut S) {
-        if !self.flag.load(Ordering::SeqCst) {
-            return;
+        if self.flag.load(Ordering::SeqCst) {
+            self.flag.store(false, Ordering::SeqCst);
+            let messages = std::mem::take(&mut *self.inbox.lock());
+            for message in messages {
+                state.apply(message);
+            }
         }
-        self.flag.store(false, Ordering::SeqCst);
-        let messages = std::mem::take(&mut *self.inbox.lock());
-        for message in messages {
-            state.apply(message);
-        }
+        state.settle();
     }
 
     /// Messages posted and not applied yet (for tests).

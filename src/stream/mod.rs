@@ -246,6 +246,17 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 /// In-place reuse of an input buffer is gated by [`StreamRuntime::can_mut`], which is false while
 /// a view holds a second owner: aliased buffers are never written in place.
 ///
+/// # Devices whose streams do not order each other
+///
+/// On a device whose streams are ordered only within themselves (CUDA under cubecl 0.10), a
+/// buffer used on a stream other than the one that wrote it needs the engine's help, and the
+/// engine knows every such point. When a view is registered, or a tensor is read, on a stream
+/// the buffer is foreign to, the runtime makes that stream wait for the buffer's writes
+/// ([`StreamRuntime::order_use`]); an operation that consumes a foreign buffer gets a second owner
+/// of it for the call, so it is never written in place; and every handle of a foreign buffer the
+/// stream lets go of is handed to [`StreamRuntime::release_after_use`] when the stream's lock is
+/// released, so its memory is not reused before the stream's work on it has run.
+///
 /// # The chained-share fast path
 ///
 /// Re-sharing a view (owner → peer → grandpeer) finds the peer's id already registered — the view
@@ -565,6 +576,12 @@ impl<R: StreamRuntime> MultiStream<R> {
             tracing::trace!(source = %src, view = %dst, from = %src_home.id, drained, "shared view");
             source.entry(&src, "share")
         };
+        // The view's stream must not read the buffer before the source's writes, which were all
+        // dispatched by now (the source is materialised, and an aliased buffer is never written
+        // in place).
+        if let Entry::Handle(handle) = &entry {
+            R::order_use(&self.context, handle, StreamId::current());
+        }
 
         self.register_entry(dst, entry)
     }
@@ -607,11 +624,17 @@ impl<R: StreamRuntime> MultiStream<R> {
             return Err(Error::Reentrant { what });
         }
         let (mut state, _) = self.lock_materialised(home, &id);
-        Ok(if release {
+        let entry = if release {
             state.take_for_read(id, "read")
         } else {
             state.entry(&id, "read")
-        })
+        };
+        drop(state);
+        // The read runs on this thread's stream, after the buffer's writes.
+        if let Entry::Handle(handle) = &entry {
+            R::order_use(&self.context, handle, StreamId::current());
+        }
+        Ok(entry)
     }
 
     /// The last live tensor of `id` went away: free it on its home stream.

@@ -94,6 +94,11 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// Ids dropped from another thread while a pending operation here still reads (or has yet
     /// to produce) them.
     pub(crate) deferred_frees: Vec<TensorId>,
+    /// Handles of buffers [foreign](StreamRuntime::foreign_to) to this stream that it let go
+    /// of, while work it dispatched may still read them: handed to
+    /// [`StreamRuntime::release_after_use`] together when the stream's lock is released
+    /// ([`StreamState::settle`]).
+    pub(crate) released: Vec<R::FusionHandle>,
     /// A deadline for the deferred frees is scheduled on the service thread.
     pub(crate) flush_scheduled: bool,
     pub(crate) counters: StreamCounters,
@@ -131,6 +136,7 @@ impl<R: StreamRuntime> StreamState<R> {
             errors: HashMap::new(),
             shared_sources: HashSet::new(),
             deferred_frees: Vec::new(),
+            released: Vec::new(),
             flush_scheduled: false,
             counters: StreamCounters::default(),
             retired: false,
@@ -197,10 +203,42 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Release `id`'s handle or error record now.
     pub(crate) fn free(&mut self, id: TensorId) {
-        let had_handle = self.handles.remove_handle(id).is_some();
+        let had_handle = self.remove_handle(id);
         let had_error = self.remove_error(id);
         if had_handle || had_error {
             self.counters.frees += 1;
+        }
+    }
+
+    /// Take `id`'s handle out of the map and let go of it ([`StreamState::let_go`]); whether
+    /// there was one.
+    pub(crate) fn remove_handle(&mut self, id: TensorId) -> bool {
+        match self.handles.remove_handle(id) {
+            Some(burn_ir::Handle::Existing(handle)) => {
+                self.let_go(handle);
+                true
+            }
+            Some(burn_ir::Handle::NotInit) => true,
+            None => false,
+        }
+    }
+
+    /// Drop a handle this stream owned. A buffer [foreign](StreamRuntime::foreign_to) to this
+    /// stream may still be read by work the stream dispatched, so its handle waits in
+    /// `released` for [`StreamState::settle`] instead.
+    pub(crate) fn let_go(&mut self, handle: R::FusionHandle) {
+        if R::foreign_to(&self.context, &handle, self.id) {
+            self.released.push(handle);
+        }
+    }
+
+    /// Hand the handles let go of since the last call to the runtime, to be released once the
+    /// work this stream dispatched has finished with them. Called whenever the stream's lock is
+    /// released, so a released buffer never waits for the stream's next use.
+    pub(crate) fn settle(&mut self) {
+        if !self.released.is_empty() {
+            let released = std::mem::take(&mut self.released);
+            R::release_after_use(&self.context, self.id, released);
         }
     }
 
@@ -244,7 +282,14 @@ impl<R: StreamRuntime> StreamState<R> {
     /// copying it (NdArray's `into_data` copies a shared array element by element). Otherwise
     /// the reader gets a second owner and `id` is released as its last drop would be.
     pub(crate) fn take_for_read(&mut self, id: TensorId, op: &str) -> Entry<R::FusionHandle> {
-        if self.retired || self.queue_references(id) {
+        // A buffer foreign to this stream is never handed over: work this stream dispatched may
+        // still read it, so its handle must be released in order (see `let_go`).
+        let foreign = || {
+            self.handles
+                .get_handle_ref(&id)
+                .is_some_and(|handle| R::foreign_to(&self.context, handle, self.id))
+        };
+        if self.retired || self.queue_references(id) || foreign() {
             let entry = self.entry(&id, op);
             self.release(id);
             return entry;
