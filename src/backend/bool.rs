@@ -2,13 +2,14 @@
 
 use burn_backend::ops::BoolTensorOps;
 use burn_backend::{BoolDType, FloatDType, IntDType};
-use burn_ir::{BackendIr, BoolOperationIr, OperationIr};
+use burn_ir::{BoolOperationIr, OperationIr};
 
+use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
 
-impl<B: BackendIr> BoolTensorOps<Self> for StreamFusion<B> {
+impl<B: IrBackend> BoolTensorOps<Self> for StreamFusion<B> {
     creation_ops!(register_bool_tensor, BoolDType;
         bool_empty: BaseBool::Empty, bool_zeros: BaseBool::Zeros, bool_ones: BaseBool::Ones,
     );

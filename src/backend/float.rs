@@ -3,14 +3,15 @@
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{FloatDType, IntDType};
-use burn_ir::{BackendIr, CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr, ReduceDimOpIr};
+use burn_ir::{CrossOpIr, FloatOperationIr, MatmulOpIr, OperationIr, ReduceDimOpIr};
 
+use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
 use super::record::{client_of, record_one};
 
-impl<B: BackendIr> FloatTensorOps<Self> for StreamFusion<B> {
+impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
     data_ops!(
         from_data: float_from_data, into_data: float_into_data, device: float_device,
         to_device: float_to_device,

@@ -1,7 +1,7 @@
 //! Which backends fuse under [`super::StreamFusion`]: a registry of fuser factories by backend
 //! type.
 //!
-//! `StreamFusion<B>` works for any [`BackendIr`] backend, and most of them have no fuser; the
+//! `StreamFusion<B>` works for any [`BackendIr`](burn_ir::BackendIr) backend, and most of them have no fuser; the
 //! ones that do are found here by type when a stream is created. With the `cuda` feature,
 //! `CubeBackend<CudaRuntime, f32, i32, u8>` (and `.., u32>`) fuse through burn-cubecl-fusion's
 //! fusers (see [`cube_fuser`](super::cube_fuser)); [`register_fuser`] adds another backend, for
@@ -10,11 +10,11 @@
 use std::any::{Any, TypeId};
 use std::sync::{Arc, OnceLock};
 
-use burn_ir::BackendIr;
 use hashbrown::HashMap;
 use parking_lot::RwLock;
 
 use super::BackendRuntime;
+use super::IrBackend;
 use crate::runtime::Fuser;
 
 /// A type-erased factory: the backend's device in, a boxed `Box<dyn Fuser<BackendRuntime<B>>>`
@@ -36,7 +36,7 @@ fn registry() -> &'static RwLock<HashMap<TypeId, Make>> {
     })
 }
 
-fn insert<B: BackendIr>(
+fn insert<B: IrBackend>(
     registry: &RwLock<HashMap<TypeId, Make>>,
     make: impl Fn(&B::Device) -> Box<dyn Fuser<BackendRuntime<B>>> + Send + Sync + 'static,
 ) {
@@ -50,14 +50,14 @@ fn insert<B: BackendIr>(
 /// Make `StreamFusion<B>` fuse: each stream of an engine opened after this call gets
 /// `make(device)` as its [`Fuser`] (while [`crate::EngineConfig::fusion`] is on). Replaces any
 /// factory registered for `B` before, the built-in ones included.
-pub fn register_fuser<B: BackendIr>(
+pub fn register_fuser<B: IrBackend>(
     make: impl Fn(&B::Device) -> Box<dyn Fuser<BackendRuntime<B>>> + Send + Sync + 'static,
 ) {
     insert::<B>(registry(), make);
 }
 
 /// The fuser registered for `B`, if any.
-pub(crate) fn fuser_for<B: BackendIr>(
+pub(crate) fn fuser_for<B: IrBackend>(
     device: &B::Device,
 ) -> Option<Box<dyn Fuser<BackendRuntime<B>>>> {
     let make = registry().read().get(&TypeId::of::<B>())?.clone();

@@ -3,10 +3,9 @@
 use burn_backend::ops::IntTensorOps;
 use burn_backend::tensor::IntTensor;
 use burn_backend::{FloatDType, IntDType};
-use burn_ir::{
-    BackendIr, IntOperationIr, MatmulOpIr, NumericOperationIr, OperationIr, ReduceDimOpIr,
-};
+use burn_ir::{IntOperationIr, MatmulOpIr, NumericOperationIr, OperationIr, ReduceDimOpIr};
 
+use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
@@ -32,7 +31,7 @@ macro_rules! int_arg_ops {
     )*};
 }
 
-impl<B: BackendIr> IntTensorOps<Self> for StreamFusion<B> {
+impl<B: IrBackend> IntTensorOps<Self> for StreamFusion<B> {
     data_ops!(
         from_data: int_from_data, into_data: int_into_data, device: int_device,
         to_device: int_to_device,

@@ -36,6 +36,7 @@
 //! ```
 
 mod bool;
+mod cross_stream;
 #[cfg(feature = "cuda")]
 mod cube;
 mod float;
@@ -73,6 +74,13 @@ use runtime::{Kind, to_execution_error};
 use crate::stream::Entry;
 use crate::{EngineConfig, FusionClient};
 
+/// A backend [`StreamFusion`] can wrap: one that speaks burn's IR ([`BackendIr`]) and whose
+/// handles own what they point at (`'static`), as every burn backend's do. Implemented for
+/// every such backend: there is nothing to implement.
+pub trait IrBackend: BackendIr<Handle: 'static> {}
+
+impl<B: BackendIr<Handle: 'static>> IrBackend for B {}
+
 /// A burn backend over this crate's per-thread streams: see the [module docs](self).
 pub struct StreamFusion<B>(PhantomData<fn() -> B>);
 
@@ -100,7 +108,7 @@ fn clients() -> &'static Clients {
     CLIENTS.get_or_init(Default::default)
 }
 
-impl<B: BackendIr> StreamFusion<B> {
+impl<B: IrBackend> StreamFusion<B> {
     /// The engine of `device`: one per backend type and device, opened on first use with the
     /// default [`EngineConfig`] (see [`StreamFusion::configure`]).
     pub fn client(device: &B::Device) -> FusionClient<BackendRuntime<B>> {
@@ -150,12 +158,15 @@ impl<B: BackendIr> StreamFusion<B> {
         tensor: Tensor<B>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         let (shape, dtype) = (tensor.shape().clone(), tensor.dtype());
+        // The engine ordered this thread's stream after the buffer's writes: the read must run
+        // there, wherever the future is polled.
+        let stream = burn_backend::StreamId::current();
         let read = tensor
             .into_handle()
             .map(|handle| BackendRuntime::<B>::into_data_future(handle, shape, dtype));
         async move {
             match read {
-                Ok(future) => future.await,
+                Ok(future) => runtime::OnStream { stream, future }.await,
                 Err(error) => Err(to_execution_error(error)),
             }
         }
@@ -193,7 +204,7 @@ impl<B: BackendIr> StreamFusion<B> {
     }
 }
 
-impl<B: BackendIr> BackendTypes for StreamFusion<B> {
+impl<B: IrBackend> BackendTypes for StreamFusion<B> {
     type Device = B::Device;
     type FloatTensorPrimitive = Tensor<B>;
     type FloatElem = B::FloatElem;
@@ -204,7 +215,7 @@ impl<B: BackendIr> BackendTypes for StreamFusion<B> {
     type QuantizedTensorPrimitive = Tensor<B>;
 }
 
-impl<B: BackendIr> Backend for StreamFusion<B> {
+impl<B: IrBackend> Backend for StreamFusion<B> {
     fn name(device: &Self::Device) -> String {
         format!("stream-fusion<{}>", B::name(device))
     }
@@ -236,12 +247,12 @@ impl<B: BackendIr> Backend for StreamFusion<B> {
     }
 }
 
-impl<B: BackendIr> burn_backend::ops::TransactionOps<Self> for StreamFusion<B> {}
-impl<B: BackendIr> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {}
+impl<B: IrBackend> burn_backend::ops::TransactionOps<Self> for StreamFusion<B> {}
+impl<B: IrBackend> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {}
 
 /// Quantized tensors carry their scheme in their dtype; the default scheme is the wrapped
 /// backend's.
-impl<B: BackendIr> QTensorPrimitive for Tensor<B> {
+impl<B: IrBackend> QTensorPrimitive for Tensor<B> {
     fn scheme(&self) -> &QuantScheme {
         match &self.inner.dtype {
             DType::QFloat(scheme) => scheme,
@@ -255,6 +266,6 @@ impl<B: BackendIr> QTensorPrimitive for Tensor<B> {
 }
 
 /// The device of a tensor of this backend.
-pub(crate) fn device_of<B: BackendIr>(tensor: &Tensor<B>) -> Device<StreamFusion<B>> {
+pub(crate) fn device_of<B: IrBackend>(tensor: &Tensor<B>) -> Device<StreamFusion<B>> {
     tensor.client().device().clone()
 }

@@ -11,18 +11,19 @@ use burn_backend::ops::{
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn_ir::{
     AdaptiveAvgPool2dBackwardOpIr, AdaptiveAvgPool2dOpIr, AttentionOpIr, AvgPool2dBackwardOpIr,
-    AvgPool2dOpIr, BackendIr, Conv2dOpIr, Conv3dOpIr, ConvTranspose2dOpIr, ConvTranspose3dOpIr,
+    AvgPool2dOpIr, Conv2dOpIr, Conv3dOpIr, ConvTranspose2dOpIr, ConvTranspose3dOpIr,
     DeformConv2dBackwardOpIr, DeformConv2dOpIr, IRfftOpIr, InterpolateBackwardOpIr,
     InterpolateOpIr, MaxPool2dOpIr, MaxPool2dWithIndicesBackwardOpIr, MaxPool2dWithIndicesOpIr,
     ModuleOperationIr, OperationIr, RfftOpIr, TensorIr,
 };
 
+use super::IrBackend;
 use super::StreamFusion;
 use super::record::Take as _;
 use super::record::{Tensor, client_of, record, record_one};
 
 /// Operands, then the optional ones that are present.
-fn operands<B: BackendIr, const N: usize>(
+fn operands<B: IrBackend, const N: usize>(
     required: [Tensor<B>; N],
     optional: impl IntoIterator<Item = Option<Tensor<B>>>,
 ) -> Vec<Tensor<B>> {
@@ -75,7 +76,7 @@ macro_rules! conv_ops {
     )*};
 }
 
-impl<B: BackendIr> ModuleOps<Self> for StreamFusion<B> {
+impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
     conv_ops!(
         conv2d(ConvOptions<2>): Conv2dOpIr => Conv2d,
         conv3d(ConvOptions<3>): Conv3dOpIr => Conv3d,

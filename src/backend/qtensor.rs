@@ -5,16 +5,16 @@ use burn_backend::ops::QTensorOps;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn_backend::tensor::{FloatTensor, QuantizedTensor};
 use burn_ir::{
-    BackendIr, DequantizeOpIr, FloatOperationIr, OperationIr, QuantizationParametersIr,
-    QuantizeOpIr,
+    DequantizeOpIr, FloatOperationIr, OperationIr, QuantizationParametersIr, QuantizeOpIr,
 };
 
+use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
 use super::record::{client_of, record_one};
 
-impl<B: BackendIr> QTensorOps<Self> for StreamFusion<B> {
+impl<B: IrBackend> QTensorOps<Self> for StreamFusion<B> {
     data_ops!(
         from_data: q_from_data, into_data: q_into_data, device: q_device, to_device: q_to_device,
     );

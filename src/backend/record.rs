@@ -13,6 +13,7 @@ use burn_ir::{
 };
 use smallvec::SmallVec;
 
+use super::IrBackend;
 use super::runtime::BackendRuntime;
 use crate::operation::{Irs, OpBody};
 use crate::{FusionClient, FusionTensor, Operand, Result};
@@ -82,14 +83,14 @@ impl<I: Send + Sync + 'static> OpIr for Listed<I> {
 }
 
 /// A queued backend operation: its IR, and how to run it and describe it.
-pub(crate) struct BackendOp<B: BackendIr, L: OpIr> {
+pub(crate) struct BackendOp<B: IrBackend, L: OpIr> {
     name: &'static str,
     ir: L,
     run: fn(&L::Ir, &mut Handles<B>),
     repr: fn(&L::Ir) -> OperationIr,
 }
 
-impl<B: BackendIr, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
+impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
     fn name(&self) -> &str {
         self.name
     }
@@ -136,7 +137,7 @@ impl<B: BackendIr, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
 /// Returns the outputs, in the order `repr`'s IR lists them. A backend operation cannot return
 /// an error, so a refusal here (only a tensor of another device can cause one) panics with the
 /// engine's message, as burn's own backends do on bad input.
-pub(crate) fn record<B: BackendIr, I: Send + Sync + 'static>(
+pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
@@ -159,7 +160,7 @@ pub(crate) fn record<B: BackendIr, I: Send + Sync + 'static>(
 
 /// [`record`] for an IR struct that lists its own operands and outputs ([`OpIr`]): `ir` takes
 /// the operand IRs by value, to move them into the struct.
-fn record_ir<B: BackendIr, L: OpIr>(
+fn record_ir<B: IrBackend, L: OpIr>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
@@ -185,7 +186,7 @@ fn record_ir<B: BackendIr, L: OpIr>(
 }
 
 /// [`record_ir`] for an operation with one output.
-fn record_out<B: BackendIr, L: OpIr>(
+fn record_out<B: IrBackend, L: OpIr>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
@@ -198,7 +199,7 @@ fn record_out<B: BackendIr, L: OpIr>(
 }
 
 /// [`record`] for an operation with exactly one output.
-pub(crate) fn record_one<B: BackendIr, I: Send + Sync + 'static>(
+pub(crate) fn record_one<B: IrBackend, I: Send + Sync + 'static>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
@@ -227,12 +228,12 @@ fn same_shape(input: &TensorIr, dtype: Option<burn_backend::DType>, id: TensorId
 }
 
 /// The client a tensor's operation is recorded on.
-pub(crate) fn client_of<B: BackendIr>(tensor: &Tensor<B>) -> FusionClient<BackendRuntime<B>> {
+pub(crate) fn client_of<B: IrBackend>(tensor: &Tensor<B>) -> FusionClient<BackendRuntime<B>> {
     tensor.client().clone()
 }
 
 /// An operation of one tensor operand and one output whose IR is a [`UnaryOpIr`].
-pub(crate) fn unary<B: BackendIr>(
+pub(crate) fn unary<B: IrBackend>(
     name: &'static str,
     input: Tensor<B>,
     out_dtype: Option<burn_backend::DType>,
@@ -252,7 +253,7 @@ pub(crate) fn unary<B: BackendIr>(
 
 /// An operation of two tensor operands (broadcast) whose IR is a [`BinaryOpIr`]; `out_dtype`
 /// for comparisons.
-pub(crate) fn binary<B: BackendIr>(
+pub(crate) fn binary<B: IrBackend>(
     name: &'static str,
     lhs: Tensor<B>,
     rhs: Tensor<B>,
@@ -277,7 +278,7 @@ pub(crate) fn binary<B: BackendIr>(
 
 /// An operation of a tensor and a scalar whose IR is a [`ScalarOpIr`]; `out_dtype` for
 /// comparisons.
-pub(crate) fn scalar<B: BackendIr>(
+pub(crate) fn scalar<B: IrBackend>(
     name: &'static str,
     lhs: Tensor<B>,
     rhs: ScalarIr,
@@ -301,21 +302,21 @@ pub(crate) fn scalar<B: BackendIr>(
 /// cheap way (see [`crate::small::copy_shape`]): the run functions of every operation take their
 /// operands through these.
 pub(crate) trait Take<H> {
-    fn take_float<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive;
-    fn take_int<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive;
-    fn take_bool<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive;
+    fn take_float<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive;
+    fn take_int<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive;
+    fn take_bool<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive;
 }
 
 impl<H: Clone> Take<H> for HandleContainer<H> {
-    fn take_float<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive {
+    fn take_float<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive {
         B::float_tensor(tensor_handle(self, ir))
     }
 
-    fn take_int<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive {
+    fn take_int<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive {
         B::int_tensor(tensor_handle(self, ir))
     }
 
-    fn take_bool<B: BackendIr<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive {
+    fn take_bool<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive {
         B::bool_tensor(tensor_handle(self, ir))
     }
 }

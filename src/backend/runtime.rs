@@ -11,9 +11,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use burn_backend::{Backend, DType, ExecutionError, Shape, TensorData, TensorMetadata};
+use burn_backend::{DType, ExecutionError, Shape, StreamId, TensorData, TensorMetadata};
 use burn_fusion::FusionRuntime;
-use burn_ir::{BackendIr, TensorHandle, TensorIr};
+use burn_ir::{TensorHandle, TensorIr};
+
+use super::IrBackend;
+use super::cross_stream::{StreamRules, rules_for};
 
 use crate::host::Unfused;
 use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
@@ -30,7 +33,7 @@ impl<B> fmt::Debug for BackendRuntime<B> {
     }
 }
 
-impl<B: BackendIr> FusionRuntime for BackendRuntime<B> {
+impl<B: IrBackend> FusionRuntime for BackendRuntime<B> {
     type OptimizationState = ();
     type Optimization = Unfused;
     type FusionHandle = B::Handle;
@@ -41,22 +44,25 @@ impl<B: BackendIr> FusionRuntime for BackendRuntime<B> {
     }
 }
 
-/// The per-device state of a [`BackendRuntime`]: the backend's device.
-pub struct BackendContext<B: Backend> {
+/// The per-device state of a [`BackendRuntime`]: the backend's device, and the rules its
+/// streams need for buffers that cross them (see `cross_stream`).
+pub struct BackendContext<B: IrBackend> {
     device: B::Device,
+    rules: Option<Box<dyn StreamRules<B>>>,
 }
 
-impl<B: Backend> BackendContext<B> {
+impl<B: IrBackend> BackendContext<B> {
     /// The backend's device.
     pub fn device(&self) -> &B::Device {
         &self.device
     }
 }
 
-impl<B: Backend> fmt::Debug for BackendContext<B> {
+impl<B: IrBackend> fmt::Debug for BackendContext<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackendContext")
             .field("device", &self.device)
+            .field("cross_stream_rules", &self.rules.is_some())
             .finish()
     }
 }
@@ -116,7 +122,24 @@ pub(crate) fn block_on<F: Future>(future: F) -> F::Output {
     }
 }
 
-impl<B: BackendIr> BackendRuntime<B> {
+/// A future whose every poll runs with [`StreamId::current`] set to `stream` (a backend's read
+/// dispatches its copy on the current stream when first polled).
+pub(crate) struct OnStream<F> {
+    pub(crate) stream: StreamId,
+    pub(crate) future: F,
+}
+
+impl<F: Future + Unpin> Future for OnStream<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = &mut *self;
+        this.stream
+            .executes(|| std::pin::Pin::new(&mut this.future).poll(cx))
+    }
+}
+
+impl<B: IrBackend> BackendRuntime<B> {
     /// The backend primitive a handle of `dtype` and `shape` stands for, as a handle again (the
     /// identity on the handle; it checks the kind on backends that tag their handles).
     pub(crate) fn tensor_handle(handle: B::Handle, shape: Shape) -> TensorHandle<B::Handle> {
@@ -139,7 +162,7 @@ impl<B: BackendIr> BackendRuntime<B> {
     }
 }
 
-impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
+impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
     type Context = BackendContext<B>;
 
     fn name() -> &'static str {
@@ -149,6 +172,7 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
     fn open(device: &B::Device) -> Result<BackendContext<B>> {
         Ok(BackendContext {
             device: device.clone(),
+            rules: rules_for::<B>(device),
         })
     }
 
@@ -196,6 +220,25 @@ impl<B: BackendIr> StreamRuntime for BackendRuntime<B> {
         // The engine's built-in kernels never write in place on a burn backend: the backend's own
         // operations decide that on their primitives.
         false
+    }
+
+    fn foreign_to(ctx: &BackendContext<B>, handle: &B::Handle, stream: StreamId) -> bool {
+        ctx.rules
+            .as_ref()
+            .is_some_and(|rules| rules.foreign_to(handle, stream))
+    }
+
+    fn order_use(ctx: &BackendContext<B>, handle: &B::Handle, stream: StreamId) {
+        if let Some(rules) = &ctx.rules {
+            rules.order_use(handle, stream);
+        }
+    }
+
+    fn release_after_use(ctx: &BackendContext<B>, stream: StreamId, handles: Vec<B::Handle>) {
+        match &ctx.rules {
+            Some(rules) => rules.release_after_use(stream, handles),
+            None => drop(handles),
+        }
     }
 
     fn synchronize(ctx: &BackendContext<B>) -> Result<()> {
