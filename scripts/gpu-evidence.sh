@@ -5,6 +5,8 @@
 #
 #   ./scripts/gpu-evidence.sh tests [DIR]       # the GPU tests (the OOM test alone), examples
 #   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the test binary
+#   ./scripts/gpu-evidence.sh cross-stream [DIR] # tensors crossing streams on StreamFusion<CubeBackend>
+#                                               # and plain CubeBackend, plain and under sanitizers
 #   ./scripts/gpu-evidence.sh backend [DIR]     # StreamFusion<CubeBackend>: its tests (the
 #                                               # two-GPU to_device test needs a second GPU),
 #                                               # the burn example, the backend benchmark
@@ -42,6 +44,25 @@ sanitizers)
     for tool in memcheck synccheck racecheck; do
         step "$tool" "$cs" --tool "$tool" ./gpu-bin/gpu --ignored --test-threads=1 "${skip[@]}"
     done
+    ;;
+cross-stream)
+    control=cross_stream_programs_on_plain_cubebackend
+    main=tensors_that_cross_streams_are_read_after_their_writes_and_never_reused_under_a_reader
+    step cross-stream-control ./gpu-bin/cross_stream --ignored --exact $control --nocapture
+    step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture
+    step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1
+    # The sanitizers slow every kernel down: smaller programs, one round.
+    for tool in racecheck memcheck synccheck; do
+        FUSION_STREAMS_RACE_ROUNDS=0 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20 \
+            step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
+            --exact $main --nocapture
+        step "suite-backend-$tool" "$cs" --tool "$tool" ./gpu-bin/suite_backend --ignored \
+            --test-threads=1
+    done
+    FUSION_STREAMS_RACE_ROUNDS=0 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20 \
+        step cross-stream-control-racecheck "$cs" --tool racecheck ./gpu-bin/cross_stream \
+        --ignored --exact $control --nocapture
+    step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored
     ;;
 backend)
     step backend-cuda ./gpu-bin/backend --ignored --test-threads=1

@@ -181,6 +181,16 @@ fn tensors_moved_between_threads_and_dropped_there() {
     for (i, worker) in workers.into_iter().enumerate() {
         let y = worker.join().unwrap();
         let want = plain_x.clone().matmul(plain_x.clone().transpose()) * (i as f32);
-        assert_eq!(y.into_data(), want.into_data());
+        // On NdArray the same kernels run: bit for bit. On CUDA the matmul is autotuned per
+        // process and fused with the scale on our side, so the two products may round apart by
+        // an ulp (seen on the H200).
+        if cfg!(feature = "cuda") {
+            y.into_data().assert_approx_eq::<f32>(
+                &want.into_data(),
+                burn_backend::Tolerance::rel_abs(1e-5, 1e-6),
+            );
+        } else {
+            assert_eq!(y.into_data(), want.into_data());
+        }
     }
 }
