@@ -11,7 +11,12 @@
 //! 3. `threads/<T>`: T threads, each running a small MLP forward pass repeatedly on its own
 //!    data (its own stream), against the same on plain `B`: how the engine scales with threads;
 //! 4. `softmax/<rows>`: 100 times a softmax along the rows of a `[rows, 512]` tensor and a read:
-//!    reductions with elementwise work around them (the reduce fusers' case).
+//!    reductions with elementwise work around them (the reduce fusers' case);
+//! 5. `pipeline/<T>`: T producer threads each compute 200 small tensors and send them through a
+//!    channel to the main thread, which adds them up as they come and reads the sum: tensors
+//!    crossing streams, where the engine orders each consumer after its producer and keeps a
+//!    buffer from being reused under a reader (plain `CubeBackend` does neither, and is not
+//!    always right on this program: `tests/cross_stream.rs`).
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_ONLY=<prefix>` runs only the measurements whose name starts with it.
@@ -129,6 +134,32 @@ fn mlp_threads<B: Backend>(device: &B::Device, threads: usize, reps: usize) -> D
     start.elapsed()
 }
 
+/// `producers` threads each compute `each` tensors of 1,024 f32 (an elementwise chain) and send
+/// them to this thread, which adds them to a running sum as they arrive, then reads the sum.
+fn pipeline<B: Backend>(device: &B::Device, producers: usize, each: usize) -> Duration {
+    let start = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel::<Tensor<B, 1>>();
+    std::thread::scope(|s| {
+        for p in 0..producers {
+            let (tx, device) = (tx.clone(), device.clone());
+            s.spawn(move || {
+                let base = Tensor::<B, 1>::from_data(data(1024, p), &device);
+                for i in 0..each {
+                    let t = (base.clone() * (i as f32) + 1.0).tanh() * 2.0;
+                    tx.send(t).unwrap();
+                }
+            });
+        }
+        drop(tx);
+        let mut sum = Tensor::<B, 1>::zeros([1024], device);
+        for t in rx {
+            sum = sum + t;
+        }
+        std::hint::black_box(sum.into_data());
+    });
+    start.elapsed()
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -224,6 +255,7 @@ impl Contender {
                     Work::Short(n, reps) => short_chain::<$b>(&device, n, reps),
                     Work::Mlp(threads, reps) => mlp_threads::<$b>(&device, threads, reps),
                     Work::Softmax(rows, reps) => softmax_rows::<$b>(&device, rows, reps),
+                    Work::Pipeline(producers, each) => pipeline::<$b>(&device, producers, each),
                 }
             }};
         }
@@ -255,6 +287,8 @@ enum Work {
     Mlp(usize, usize),
     /// The softmax on `rows` rows, `reps` times.
     Softmax(usize, usize),
+    /// `producers` threads sending `each` tensors each to an accumulating consumer.
+    Pipeline(usize, usize),
 }
 
 fn main() {
@@ -288,6 +322,13 @@ fn main() {
         let name = format!("threads/{threads}");
         measure(&mut ratios, name, rounds, |c| {
             c.run(Work::Mlp(threads, reps))
+        });
+    }
+    let each = if quick() { 20 } else { 200 };
+    for producers in [1, 4, 8] {
+        let name = format!("pipeline/{producers}");
+        measure(&mut ratios, name, rounds, |c| {
+            c.run(Work::Pipeline(producers, each))
         });
     }
     for (name, r) in ratios {
