@@ -292,6 +292,12 @@ fn checked(program: impl FnOnce()) {
     );
 }
 
+/// Everything drained and synchronised, the engine holds nothing.
+fn assert_nothing_held(c: &Client) {
+    suite::settle(c);
+    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+}
+
 fn f32s(c: &Client, values: &[f32]) -> fusion_streams::FusionTensor<Checked> {
     suite::f32s(c, values)
 }
@@ -335,8 +341,7 @@ fn a_consumed_view_is_kept_read_only_and_released_in_order() {
         assert_eq!(suite::values(&y), vec![2.0, 4.0, 6.0]);
         drop(y);
         drop(peer);
-        suite::settle(&c);
-        assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+        assert_nothing_held(&c);
     });
 }
 
@@ -359,8 +364,7 @@ fn a_consuming_read_of_a_view_releases_it_in_order() {
         assert_eq!(got.0.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
         assert_eq!(got.1, vec![6.0, 12.0]);
         drop(peer);
-        suite::settle(&c);
-        assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+        assert_nothing_held(&c);
     });
 }
 
@@ -398,7 +402,6 @@ fn tensors_sent_through_a_channel_to_an_accumulator() {
             .sum();
         assert_eq!(suite::values(&sum), vec![expected; 4]);
         drop(sum);
-        suite::settle(&c);
-        assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+        assert_nothing_held(&c);
     });
 }

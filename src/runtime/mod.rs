@@ -199,8 +199,9 @@ pub trait StreamRuntime: FusionRuntime {
     ///
     /// `false` by default: a device that orders every access to a buffer by itself (the host
     /// runtime's buffers carry their last writer's completion marker, and an in-flight kernel
-    /// holds a reference to each buffer it reads). The CUDA backend says `true` for a buffer
-    /// that another cubecl stream allocated (see [`crate::backend`], "Streams on CUDA").
+    /// holds a reference to each buffer it reads). `StreamFusion<CubeBackend>` on CUDA says `true`
+    /// for a buffer that another cubecl stream allocated (`src/backend/cross_stream.rs`; why, and
+    /// the H200 measurements: `docs/cross-stream-cuda.md`).
     fn foreign_to(ctx: &Self::Context, handle: &Self::FusionHandle, stream: StreamId) -> bool {
         let _ = (ctx, handle, stream);
         false
