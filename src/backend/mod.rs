@@ -47,6 +47,7 @@ mod module;
 mod qtensor;
 pub(crate) mod record;
 mod runtime;
+mod transfer;
 
 use std::any::{Any, TypeId};
 use std::fmt;
@@ -69,9 +70,28 @@ pub use cube::{CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
 pub use fusion::register_fuser;
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};
+pub use transfer::{BackendEvent, BackendSource};
+
+/// Test hook (features `cuda` and `testing`): the next DMA copy of a download fails right after
+/// it was enqueued, as a failing `cuEventRecord` would. For this crate's own tests.
+#[cfg(all(feature = "cuda", feature = "testing"))]
+#[doc(hidden)]
+pub fn fail_next_download_after_enqueue() {
+    crate::runtime::cuda::transfer::FAIL_NEXT_RECORD
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A [`HeldSession`] on a [`StreamFusion`] device: see [`StreamFusion::session`].
+pub type Session<B> = HeldSession<BackendRuntime<B>>;
+/// A value published from a [`Session`].
+pub type Publication<B> = crate::transfer::SourcePublication<BackendRuntime<B>>;
+/// A [`Publication`]'s copy into a [`PinnedHostBuffer`], in flight.
+pub type Download<B> = crate::transfer::PendingDownload<BackendRuntime<B>>;
 use runtime::{Kind, to_execution_error};
 
+use crate::runtime::TransferRuntime;
 use crate::stream::Entry;
+use crate::transfer::{HeldSession, PinnedHostBuffer};
 use crate::{EngineConfig, FusionClient};
 
 /// A backend [`StreamFusion`] can wrap: one that speaks burn's IR ([`BackendIr`]) and whose
@@ -137,6 +157,36 @@ impl<B: IrBackend> StreamFusion<B> {
             .expect("opening a burn backend device cannot fail");
         clients.insert(key, Arc::new(client));
         true
+    }
+
+    /// Hold the calling thread's stream of `device`'s engine, to publish values from it (see
+    /// [`crate::transfer`]). One session per thread and device at a time.
+    ///
+    /// ```
+    /// use burn_ndarray::NdArray;
+    /// use burn_tensor::{Int, Tensor};
+    /// use fusion_streams::backend::StreamFusion;
+    ///
+    /// type B = StreamFusion<NdArray<f32>>;
+    /// let device = Default::default();
+    /// let mut session = B::session(&device)?;
+    /// let tokens = Tensor::<B, 1, Int>::arange(0..4, &device) * 2;
+    /// // SAFETY: `tokens` was computed on this thread, whose stream the session holds.
+    /// let publication = unsafe { session.publish(tokens) }?;
+    /// let buffer = B::pinned_buffer(&device, publication.bytes())?;
+    /// let (data, _buffer) = publication.download_into(buffer)?.wait_data()?;
+    /// assert_eq!(data.to_vec::<i64>().unwrap(), vec![0, 2, 4, 6]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn session(device: &B::Device) -> crate::Result<Session<B>> {
+        HeldSession::open(&Self::client(device))
+    }
+
+    /// A host buffer of `bytes` bytes for downloads from `device`, from the allocator its copies
+    /// are fastest into. Allocating is expensive; reuse the buffer
+    /// ([`PendingDownload::wait`](crate::transfer::PendingDownload::wait) hands it back).
+    pub fn pinned_buffer(device: &B::Device, bytes: usize) -> crate::Result<PinnedHostBuffer> {
+        BackendRuntime::<B>::alloc_pinned(Self::client(device).context(), bytes)
     }
 
     /// The wrapped backend's default quantization scheme (what burn's `Dispatch` backend offers

@@ -11,15 +11,19 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use burn_backend::{DType, ExecutionError, Shape, StreamId, TensorData, TensorMetadata};
+use burn_backend::{
+    DType, Device as _, ExecutionError, Shape, StreamId, TensorData, TensorMetadata,
+};
 use burn_fusion::FusionRuntime;
 use burn_ir::{TensorHandle, TensorIr};
 
 use super::IrBackend;
 use super::cross_stream::{StreamRules, rules_for};
+use super::transfer::RETIREMENT_CAPACITY;
 
 use crate::host::Unfused;
-use crate::runtime::{Kernel, KernelInputs, StreamRuntime};
+use crate::runtime::host::worker::Workers;
+use crate::runtime::{Kernel, KernelInputs, Retired, RetirementQueue, StreamRuntime};
 use crate::{Error, Result};
 
 /// The engine's runtime over the burn backend `B`: its handles are `B`'s own handles, an alias
@@ -44,17 +48,29 @@ impl<B: IrBackend> FusionRuntime for BackendRuntime<B> {
     }
 }
 
-/// The per-device state of a [`BackendRuntime`]: the backend's device, and the rules its
-/// streams need for buffers that cross them (see `cross_stream`).
+/// The per-device state of a [`BackendRuntime`]: the backend's device, the rules its streams
+/// need for buffers that cross them (see `cross_stream`), and its transfers (see `transfer`).
 pub struct BackendContext<B: IrBackend> {
     device: B::Device,
     rules: Option<Box<dyn StreamRules<B>>>,
+    // Dropped before the retirement queue: each transfer thread finishes its jobs and exits,
+    // and the CUDA route's waiters and copy streams finish, first, so no record is released
+    // while a copy may still use it.
+    pub(crate) transfers: Workers,
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: Option<super::transfer::CudaRoute>,
+    pub(crate) retirement: RetirementQueue<Retired<BackendRuntime<B>>>,
 }
 
 impl<B: IrBackend> BackendContext<B> {
     /// The backend's device.
     pub fn device(&self) -> &B::Device {
         &self.device
+    }
+
+    /// The retirement queue of dropped transfers.
+    pub fn retirement(&self) -> &RetirementQueue<Retired<BackendRuntime<B>>> {
+        &self.retirement
     }
 }
 
@@ -173,6 +189,10 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         Ok(BackendContext {
             device: device.clone(),
             rules: rules_for::<B>(device),
+            transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
+            #[cfg(feature = "cuda")]
+            cuda: super::transfer::CudaRoute::for_backend::<B>(device),
+            retirement: RetirementQueue::new(RETIREMENT_CAPACITY),
         })
     }
 
@@ -242,7 +262,16 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
     }
 
     fn synchronize(ctx: &BackendContext<B>) -> Result<()> {
-        B::sync(&ctx.device).map_err(|e| execution_error("sync", e))
+        B::sync(&ctx.device).map_err(|e| execution_error("sync", e))?;
+        for fence in ctx.transfers.fences() {
+            fence.wait()?;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(route) = &ctx.cuda {
+            route.barrier()?;
+        }
+        ctx.retirement.sweep();
+        Ok(())
     }
 
     fn supports(kernel: &Kernel, dtype: DType) -> bool {

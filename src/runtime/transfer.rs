@@ -2,7 +2,7 @@
 //! frontier recording, asynchronous copies into pinned memory, and a retirement queue for records
 //! dropped with work in flight.
 
-use burn_backend::{DType, StreamId};
+use burn_backend::{DType, Shape, StreamId};
 
 use super::{PinnedHostBuffer, Retire, RetirementQueue, StreamRuntime};
 use crate::Result;
@@ -20,16 +20,18 @@ pub trait TransferRuntime: StreamRuntime {
     /// to reach it. Owned by the publication, then by its download until the copy completes.
     type Source: Send + Sync + 'static;
 
-    /// Whether values of `dtype` can be published.
-    fn publishable(dtype: DType) -> bool;
+    /// Whether values of `dtype` can be published on this device.
+    fn publishable(context: &Self::Context, dtype: DType) -> bool;
 
     /// Record, on `stream`, an event that completes once everything dispatched to `stream` so far
-    /// — and the last write of `handle` — has finished; and turn `handle` into the source a
-    /// download copies from. Must not wait.
+    /// — and the last write of `handle` — has finished; and turn `handle`, a value of `shape`
+    /// and `dtype`, into the source a download copies from. Must not wait.
     fn record_frontier(
         context: &Self::Context,
         stream: StreamId,
         handle: Self::FusionHandle,
+        shape: &Shape,
+        dtype: DType,
     ) -> Result<(Self::Source, Self::Event)>;
 
     /// Enqueue, in `stream`'s order and after `frontier`, a copy of the first `buffer.len()`

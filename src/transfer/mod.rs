@@ -5,6 +5,13 @@
 //! needs from a device — [`TransferRuntime`](crate::runtime::TransferRuntime), pinned memory, the
 //! retirement queue — is a runtime contract and lives in [`crate::runtime`].
 //!
+//! On [`StreamFusion`](crate::backend::StreamFusion) a burn program holds a session with
+//! `StreamFusion::<B>::session(&device)`, publishes burn tensors of any kind, allocates buffers
+//! with `StreamFusion::<B>::pinned_buffer`, and reads a finished download back as burn
+//! [`TensorData`](burn_backend::TensorData) with [`PendingDownload::wait_data`]; how each
+//! backend's copy runs is in `backend::transfer` (a DMA copy from the device buffer on CUDA, the
+//! backend's own read on a transfer thread elsewhere).
+//!
 //! From a [`HeldSession`] (which captures the current stream), `unsafe {
 //! session.publish(value) }` moves a tensor into an owned [`SourcePublication`]:
 //!
@@ -63,4 +70,4 @@ pub use error::{
     PublicationRejected,
 };
 pub use publication::{PendingDownload, SourcePublication};
-pub use session::HeldSession;
+pub use session::{HeldSession, Publishable};

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use burn_backend::{DType, Shape, StreamId};
+use burn_backend::{DType, Shape, StreamId, TensorData};
 
 use super::error::{DownloadFailed, DownloadRejected, PublicationAdmissionError, PublicationError};
 use crate::runtime::{PinnedHostBuffer, Retired, TransferRuntime};
@@ -198,6 +198,8 @@ impl<R: TransferRuntime> SourcePublication<R> {
             context,
             source,
             stream,
+            shape,
+            dtype,
             ..
         } = self
             .record
@@ -211,6 +213,8 @@ impl<R: TransferRuntime> SourcePublication<R> {
                 buffer,
                 source,
                 bytes,
+                shape,
+                dtype,
             }),
         })
     }
@@ -272,6 +276,8 @@ struct DownloadRecord<R: TransferRuntime> {
     buffer: PinnedHostBuffer,
     source: R::Source,
     bytes: usize,
+    shape: Shape,
+    dtype: DType,
 }
 
 /// An asynchronous copy of a publication into a [`PinnedHostBuffer`].
@@ -293,6 +299,16 @@ impl<R: TransferRuntime> PendingDownload<R> {
     /// Bytes being copied.
     pub fn bytes(&self) -> usize {
         self.record().bytes
+    }
+
+    /// Shape of the value being copied.
+    pub fn shape(&self) -> &Shape {
+        &self.record().shape
+    }
+
+    /// Data type of the value being copied.
+    pub fn dtype(&self) -> DType {
+        self.record().dtype
     }
 
     /// Whether the copy has completed. Never waits.
@@ -325,6 +341,22 @@ impl<R: TransferRuntime> PendingDownload<R> {
             Ok(()) => Ok(buffer),
             Err(error) => Err(DownloadFailed { buffer, error }),
         }
+    }
+}
+
+impl<R: TransferRuntime> PendingDownload<R> {
+    /// Wait for the copy, and read the buffer as burn [`TensorData`] of the value's shape and
+    /// dtype (a copy of its bytes); the buffer comes back too, for the next download.
+    ///
+    /// # Errors
+    ///
+    /// As [`PendingDownload::wait`].
+    pub fn wait_data(self) -> Result<(TensorData, PinnedHostBuffer), DownloadFailed> {
+        let (shape, dtype) = (self.shape().clone(), self.dtype());
+        let buffer = self.wait()?;
+        // The buffer's length is the value's byte length: `download_into` checked it.
+        let data = TensorData::from_bytes_vec(buffer.as_bytes().to_vec(), shape, dtype);
+        Ok((data, buffer))
     }
 }
 

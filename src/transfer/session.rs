@@ -7,9 +7,23 @@ use burn_backend::StreamId;
 
 use super::error::{PublicationAdmissionError, PublicationRejected};
 use super::publication::SourcePublication;
-use crate::runtime::TransferRuntime;
+use crate::runtime::{StreamRuntime, TransferRuntime};
 use crate::stream::in_engine;
 use crate::{Error, FusionClient, FusionTensor, Result};
+
+/// A value [`HeldSession::publish`] takes: an engine tensor, or, on
+/// [`StreamFusion`](crate::backend::StreamFusion), a burn `Tensor` of any kind (float, int, bool)
+/// or a burn tensor primitive.
+pub trait Publishable<R: StreamRuntime> {
+    /// The engine tensor behind the value.
+    fn into_fusion_tensor(self) -> FusionTensor<R>;
+}
+
+impl<R: StreamRuntime> Publishable<R> for FusionTensor<R> {
+    fn into_fusion_tensor(self) -> FusionTensor<R> {
+        self
+    }
+}
 
 /// A held session on a client's stream: captures [`StreamId::current`] when opened.
 ///
@@ -142,8 +156,9 @@ impl<R: TransferRuntime> HeldSession<R> {
     /// ```
     pub unsafe fn publish(
         &mut self,
-        value: FusionTensor<R>,
+        value: impl Publishable<R>,
     ) -> Result<SourcePublication<R>, PublicationAdmissionError<R>> {
+        let value = value.into_fusion_tensor();
         let reject = |value, reason| {
             Err(PublicationAdmissionError::Rejected(Box::new(
                 PublicationRejected { value, reason },
@@ -153,7 +168,7 @@ impl<R: TransferRuntime> HeldSession<R> {
             let reason = self.client.foreign_tensor(&value);
             return reject(value, reason);
         }
-        if !R::publishable(value.dtype()) {
+        if !R::publishable(self.client.context(), value.dtype()) {
             let reason = Error::UnsupportedDType {
                 op: "publish".into(),
                 dtype: value.dtype(),
@@ -185,7 +200,9 @@ impl<R: TransferRuntime> HeldSession<R> {
                 Err(reason) => return reject(value, reason),
             };
             let context = self.client.context().clone();
-            let (source, frontier) = match R::record_frontier(&context, stream, handle) {
+            let (shape, dtype) = (value.shape(), value.dtype());
+            let recorded = R::record_frontier(&context, stream, handle, shape, dtype);
+            let (source, frontier) = match recorded {
                 Ok(frontier) => frontier,
                 Err(error) => {
                     tracing::debug!(%stream, %error, "publication unproven");

@@ -1,7 +1,7 @@
 //! The CUDA runtime; its public face, with the design notes, is [`crate::cuda`].
 
 mod kernels;
-mod transfer;
+pub(crate) mod transfer;
 
 pub use transfer::{CudaEvent, CudaSource};
 

@@ -4,7 +4,7 @@ mod fusion;
 mod kernels;
 pub(crate) mod marker;
 mod transfer;
-mod worker;
+pub(crate) mod worker;
 
 pub use transfer::HostEvent;
 
@@ -438,7 +438,7 @@ impl StreamRuntime for HostRuntime {
     fn open(device: &HostDevice) -> Result<HostContext> {
         Ok(HostContext {
             device: device.clone(),
-            workers: Workers::new(device.index),
+            workers: Workers::new(format!("host{}", device.index)),
             counters: Arc::default(),
             retirement: RetirementQueue::new(RETIREMENT_CAPACITY),
         })

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use burn_backend::{DType, StreamId};
+use burn_backend::{DType, Shape, StreamId};
 
 use super::kernels::HostData;
 use super::marker::Marker;
@@ -56,7 +56,7 @@ impl TransferRuntime for HostRuntime {
     /// The buffer itself: a host handle is its storage and its last write's marker.
     type Source = HostHandle;
 
-    fn publishable(dtype: DType) -> bool {
+    fn publishable(_: &HostContext, dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::I32)
     }
 
@@ -64,6 +64,8 @@ impl TransferRuntime for HostRuntime {
         context: &HostContext,
         stream: StreamId,
         handle: HostHandle,
+        _: &Shape,
+        _: DType,
     ) -> Result<(HostHandle, HostEvent)> {
         let frontier = Marker::pending();
         let (done, written) = (frontier.clone(), handle.written.clone());

@@ -22,14 +22,17 @@ struct Worker {
 
 /// The set of stream workers of one host device.
 pub(crate) struct Workers {
-    device: u16,
+    /// Thread names are `{name}-stream{slot}`.
+    name: String,
     slots: Box<[OnceLock<Worker>]>,
 }
 
 impl Workers {
-    pub(crate) fn new(device: u16) -> Self {
+    /// Workers whose threads are named `{name}-stream{slot}`; none is started before its first
+    /// job.
+    pub(crate) fn new(name: String) -> Self {
         Self {
-            device,
+            name,
             slots: (0..SLOTS).map(|_| OnceLock::new()).collect(),
         }
     }
@@ -39,7 +42,7 @@ impl Workers {
         self.slots[slot].get_or_init(|| {
             let (jobs, queue) = channel::<Job>();
             let thread = std::thread::Builder::new()
-                .name(format!("host{}-stream{slot}", self.device))
+                .name(format!("{}-stream{slot}", self.name))
                 .spawn(move || {
                     // Runs until every sender is gone, then exits after the last job.
                     for job in queue {

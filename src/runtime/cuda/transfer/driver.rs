@@ -174,6 +174,11 @@ impl OwnedStream {
     /// Enqueue a copy of `dst.len()` bytes from the device address `source` into `dst`, and
     /// record an event behind it.
     ///
+    /// An error means no copy can still write `dst`: the event is created before anything is
+    /// enqueued, and a failure once the copy may have been enqueued (the enqueue reporting an
+    /// error, or the event's record failing) waits for this stream before returning, so the
+    /// caller can hand `dst` back at once.
+    ///
     /// # Safety
     ///
     /// `source` must be a live device allocation of at least `dst.len()` bytes, and both it and
@@ -185,22 +190,41 @@ impl OwnedStream {
         dst: &dyn PinnedMemory,
     ) -> Result<sys::CUevent> {
         self.primary.make_current()?;
-        // SAFETY: the caller's contract covers both buffers; the stream is live in the current
-        // (primary) context, and the driver accepts enqueues on it from any thread.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, dst.len(), self.stream) }
-            .result()
-            .map_err(|e| device_fault("cuMemcpyDtoHAsync", e))?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| setup("cuEventCreate", e))?;
-        // SAFETY: both handles are live in the current (primary) context.
-        if let Err(e) = unsafe { result::event::record(event, self.stream) } {
-            // SAFETY: created just above, never shared.
+        // SAFETY: the caller's contract covers both buffers; the stream is live in the current
+        // (primary) context, and the driver accepts enqueues on it from any thread.
+        let enqueued = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), source, dst.len(), self.stream)
+        }
+        .result()
+        .map_err(|e| device_fault("cuMemcpyDtoHAsync", e));
+        let recorded = enqueued.and_then(|()| {
+            #[cfg(feature = "testing")]
+            if FAIL_NEXT_RECORD.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Err(device_fault("cuEventRecord", "injected by the test hook"));
+            }
+            // SAFETY: both handles are live in the current (primary) context.
+            unsafe { result::event::record(event, self.stream) }
+                .map_err(|e| device_fault("cuEventRecord", e))
+        });
+        if let Err(error) = recorded {
+            // The copy may be in flight: nothing is handed back before it has finished. (A
+            // failed wait means the context is lost, and with it every copy on it.)
+            let _ = self.synchronize();
+            // SAFETY: created above, never recorded or shared.
             let _ = unsafe { result::event::destroy(event) };
-            return Err(device_fault("cuEventRecord", e));
+            return Err(error);
         }
         Ok(event)
     }
 }
+
+/// Test hook: the next [`OwnedStream::copy_to_host`] fails after its copy was enqueued, as a
+/// failing `cuEventRecord` would.
+#[cfg(feature = "testing")]
+pub(crate) static FAIL_NEXT_RECORD: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 impl Drop for OwnedStream {
     fn drop(&mut self) {

@@ -81,7 +81,7 @@ impl CudaEvent {
     }
 
     /// The outcome if the event has completed. Never waits.
-    pub(super) fn poll(&self) -> Option<Result<()>> {
+    pub(crate) fn poll(&self) -> Option<Result<()>> {
         let mut state = self.0.state.lock();
         let event = match &*state {
             State::Pending => return None,
@@ -103,7 +103,7 @@ impl CudaEvent {
     }
 
     /// Wait for the event.
-    pub(super) fn wait(&self) -> Result<()> {
+    pub(crate) fn wait(&self) -> Result<()> {
         spin_until(|| !matches!(*self.0.state.lock(), State::Pending));
         let mut state = self.0.state.lock();
         loop {

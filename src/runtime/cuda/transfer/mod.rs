@@ -52,16 +52,18 @@ use std::fmt;
 use std::sync::mpsc::channel;
 use std::sync::{Arc, OnceLock};
 
-use burn_backend::{DType, StreamId};
+use burn_backend::{DType, Shape, StreamId};
 use cubecl::server::Handle;
 use parking_lot::Mutex;
 
+#[cfg(feature = "testing")]
+pub(crate) use driver::FAIL_NEXT_RECORD;
 use driver::{CudaPinned, OwnedStream, PrimaryContext, setup};
 pub use event::CudaEvent;
 use event::State;
 use waiter::{Job, Waiters};
 
-use super::{CudaContext, CudaHandle, CudaRuntime};
+use super::{CudaContext, CudaDevice, CudaHandle, CudaRuntime};
 use crate::runtime::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
 use crate::{Error, Result};
 
@@ -130,19 +132,20 @@ pub(crate) struct CudaTransfer {
 }
 
 impl CudaTransfer {
-    fn new(ctx: &CudaContext) -> Result<Self> {
+    /// The transfer machinery of `device`: retains its primary context; starts no thread.
+    pub(crate) fn new(device: &CudaDevice) -> Result<Self> {
         use cubecl::device::Device as _;
-        let primary = PrimaryContext::retain(ctx.device.index)?;
+        let primary = PrimaryContext::retain(device.index)?;
         Ok(Self {
             waiters: Waiters::new(primary.clone()),
             primary,
             direct: OnceLock::new(),
-            device: cubecl::device_handle::DeviceHandle::new(ctx.device.to_id()),
+            device: cubecl::device_handle::DeviceHandle::new(device.to_id()),
         })
     }
 
     /// Wait until every waiter has handled its jobs so far and every copy has finished.
-    fn barrier(&self) -> Result<()> {
+    pub(crate) fn barrier(&self) -> Result<()> {
         self.waiters.barrier()?;
         if let Some(Ok(direct)) = self.direct.get() {
             direct.synchronize()?;
@@ -155,6 +158,104 @@ impl CudaTransfer {
             .get_or_init(|| OwnedStream::new(&self.primary))
             .as_ref()
             .map_err(Clone::clone)
+    }
+
+    /// Record the frontier of a value held by `handle` on `stream` (see the module docs): one
+    /// closure submitted to cubecl's server, which resolves the buffer's address and records
+    /// cubecl's fences on `stream` and on the buffer's allocating stream; the stream's waiter
+    /// awaits them. Does not wait.
+    pub(crate) fn record_frontier(
+        &self,
+        stream: StreamId,
+        handle: Handle,
+    ) -> Result<(CudaSource, CudaEvent)> {
+        let event = CudaEvent::pending(&self.primary);
+        let (fences_tx, fences) = channel();
+        let source = CudaSource {
+            handle,
+            resolved: Arc::default(),
+        };
+        let (resolved, created_on) = (source.resolved.clone(), source.handle.stream);
+        let binding = source.handle.clone().binding();
+        // Runs on cubecl's server, in order after this thread's earlier submissions; does not
+        // block the caller.
+        self.device.submit(move |server: &mut Server| {
+            use cubecl::server::ComputeServer;
+            let address = server
+                .get_resource(binding, created_on)
+                .map(|resource| Address {
+                    ptr: resource.resource().ptr,
+                    _resource: Mutex::new(Box::new(resource)),
+                })
+                .map_err(|e| setup("get_resource", e));
+            let _ = resolved.set(address);
+            let mut fences = vec![server.sync(stream)];
+            if created_on != stream {
+                fences.push(server.sync(created_on));
+            }
+            let _ = fences_tx.send(fences);
+        });
+        self.device.flush_queue();
+        self.waiters.send(
+            stream,
+            Job::Frontier {
+                fences,
+                source: source.resolved.clone(),
+                event: event.clone(),
+            },
+        )?;
+        Ok((source, event))
+    }
+
+    /// Enqueue the copy of `source` into `buffer`, in `stream`'s order after `frontier`.
+    ///
+    /// # Safety
+    ///
+    /// As [`TransferRuntime::download`].
+    pub(crate) unsafe fn download(
+        &self,
+        stream: StreamId,
+        source: &CudaSource,
+        frontier: &CudaEvent,
+        buffer: &PinnedHostBuffer,
+    ) -> Result<CudaEvent> {
+        // The one bound the copy itself relies on: it never reads past the source.
+        if buffer.len() as u64 > source.handle.size_in_used() {
+            return Err(Error::BufferSize {
+                expected: source.handle.size_in_used() as usize,
+                found: buffer.len(),
+            });
+        }
+        let event = CudaEvent::pending(&self.primary);
+        if let Some(Ok(())) = frontier.poll() {
+            // The frontier has been reached: nothing is left to order the copy after, so it is
+            // enqueued here, with no hop through the stream's waiter.
+            // SAFETY: the caller holds the source and the buffer until the event completes.
+            let cuda_event =
+                unsafe { copy_resolved(self.direct()?, &source.resolved, &*buffer.memory) }?;
+            event.set(State::Enqueued(cuda_event));
+            return Ok(event);
+        }
+        self.waiters.send(
+            stream,
+            Job::Download {
+                source: source.resolved.clone(),
+                frontier: frontier.clone(),
+                dst: buffer.memory.clone(),
+                event: event.clone(),
+            },
+        )?;
+        Ok(event)
+    }
+
+    /// Page-locked host memory of `len` bytes (`cuMemHostAlloc`), which copies from this device
+    /// run into at full speed.
+    pub(crate) fn alloc_pinned(&self, len: usize) -> Result<PinnedHostBuffer> {
+        PinnedHostBuffer::check_len(len)?;
+        Ok(PinnedHostBuffer::from_memory(Arc::new(CudaPinned::new(
+            &self.primary,
+            len,
+        )?)))
     }
 }
 
@@ -172,7 +273,7 @@ impl CudaContext {
         if let Some(t) = self.transfer.get() {
             return Ok(t);
         }
-        let t = CudaTransfer::new(self)?;
+        let t = CudaTransfer::new(&self.device)?;
         Ok(self.transfer.get_or_init(|| t))
     }
 
@@ -186,7 +287,7 @@ impl TransferRuntime for CudaRuntime {
     type Event = CudaEvent;
     type Source = CudaSource;
 
-    fn publishable(dtype: DType) -> bool {
+    fn publishable(_: &CudaContext, dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::I32)
     }
 
@@ -194,44 +295,10 @@ impl TransferRuntime for CudaRuntime {
         ctx: &CudaContext,
         stream: StreamId,
         handle: CudaHandle,
+        _: &Shape,
+        _: DType,
     ) -> Result<(CudaSource, CudaEvent)> {
-        let transfer = ctx.transfer()?;
-        let event = CudaEvent::pending(&transfer.primary);
-        let (fences_tx, fences) = channel();
-        let source = CudaSource {
-            handle: handle.handle,
-            resolved: Arc::default(),
-        };
-        let (resolved, created_on) = (source.resolved.clone(), source.handle.stream);
-        let binding = source.handle.clone().binding();
-        // Runs on cubecl's server, in order after this thread's earlier submissions; does not
-        // block the caller.
-        transfer.device.submit(move |server: &mut Server| {
-            use cubecl::server::ComputeServer;
-            let address = server
-                .get_resource(binding, created_on)
-                .map(|resource| Address {
-                    ptr: resource.resource().ptr,
-                    _resource: Mutex::new(Box::new(resource)),
-                })
-                .map_err(|e| setup("get_resource", e));
-            let _ = resolved.set(address);
-            let mut fences = vec![server.sync(stream)];
-            if created_on != stream {
-                fences.push(server.sync(created_on));
-            }
-            let _ = fences_tx.send(fences);
-        });
-        transfer.device.flush_queue();
-        transfer.waiters.send(
-            stream,
-            Job::Frontier {
-                fences,
-                source: source.resolved.clone(),
-                event: event.clone(),
-            },
-        )?;
-        Ok((source, event))
+        ctx.transfer()?.record_frontier(stream, handle.handle)
     }
 
     unsafe fn download(
@@ -241,34 +308,8 @@ impl TransferRuntime for CudaRuntime {
         frontier: &CudaEvent,
         buffer: &PinnedHostBuffer,
     ) -> Result<CudaEvent> {
-        // The one bound the copy itself relies on: it never reads past the source.
-        if buffer.len() as u64 > source.handle.size_in_used() {
-            return Err(Error::BufferSize {
-                expected: source.handle.size_in_used() as usize,
-                found: buffer.len(),
-            });
-        }
-        let transfer = ctx.transfer()?;
-        let event = CudaEvent::pending(&transfer.primary);
-        if let Some(Ok(())) = frontier.poll() {
-            // The frontier has been reached: nothing is left to order the copy after, so it is
-            // enqueued here, with no hop through the stream's waiter.
-            // SAFETY: the caller holds the source and the buffer until the event completes.
-            let cuda_event =
-                unsafe { copy_resolved(transfer.direct()?, &source.resolved, &*buffer.memory) }?;
-            event.set(State::Enqueued(cuda_event));
-            return Ok(event);
-        }
-        transfer.waiters.send(
-            stream,
-            Job::Download {
-                source: source.resolved.clone(),
-                frontier: frontier.clone(),
-                dst: buffer.memory.clone(),
-                event: event.clone(),
-            },
-        )?;
-        Ok(event)
+        // SAFETY: forwarded from the caller.
+        unsafe { ctx.transfer()?.download(stream, source, frontier, buffer) }
     }
 
     fn poll_event(event: &CudaEvent) -> Option<Result<()>> {
@@ -280,11 +321,7 @@ impl TransferRuntime for CudaRuntime {
     }
 
     fn alloc_pinned(ctx: &CudaContext, len: usize) -> Result<PinnedHostBuffer> {
-        PinnedHostBuffer::check_len(len)?;
-        let primary = &ctx.transfer()?.primary;
-        Ok(PinnedHostBuffer::from_memory(Arc::new(CudaPinned::new(
-            primary, len,
-        )?)))
+        ctx.transfer()?.alloc_pinned(len)
     }
 
     fn retirement(ctx: &CudaContext) -> &RetirementQueue<Retired<Self>> {
