@@ -7,6 +7,9 @@
 #   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the test binary
 #   ./scripts/gpu-evidence.sh cross-stream [DIR] # tensors crossing streams on StreamFusion<CubeBackend>
 #                                               # and plain CubeBackend, plain and under sanitizers
+#   ./scripts/gpu-evidence.sh publish [DIR]     # publication on StreamFusion<CubeBackend>:
+#                                               # its tests, plain and under the sanitizers,
+#                                               # the example, the transfer benchmark
 #   ./scripts/gpu-evidence.sh backend [DIR]     # StreamFusion<CubeBackend>: its tests (the
 #                                               # two-GPU to_device test needs a second GPU),
 #                                               # the burn example, the backend benchmark
@@ -67,6 +70,15 @@ cross-stream)
             --test-threads=1
     done
     step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored
+    ;;
+publish)
+    step publish ./gpu-bin/publish --ignored --test-threads=1
+    for tool in memcheck racecheck synccheck; do
+        step "publish-$tool" "$cs" --tool "$tool" ./gpu-bin/publish --ignored --test-threads=1 &
+    done
+    wait
+    step publish-download-cuda ./gpu-bin/publish_download
+    step transfer-bench ./gpu-bin/transfer --bench
     ;;
 backend)
     step backend-cuda ./gpu-bin/backend --ignored --test-threads=1

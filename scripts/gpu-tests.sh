@@ -15,6 +15,7 @@
 #   ./gpu-bin/backend_threads --ignored                               #   op families, threads
 #   ./gpu-bin/cross_stream --ignored --test-threads=1 --nocapture     # tensors crossing streams
 #   ./gpu-bin/suite_backend --ignored --test-threads=1                # the suite on CubeBackend
+#   ./gpu-bin/publish --ignored --test-threads=1                      # publication on StreamFusion
 #   ./gpu-bin/burn_multi_thread                                       # the burn example on CUDA
 #   ./gpu-bin/bench-backend --bench                                   # vs CubeBackend, burn-fusion
 # (scripts/gpu-evidence.sh runs these in sets and writes a log per step.)
@@ -27,13 +28,14 @@ mkdir -p gpu-bin
 
 log=$(mktemp)
 cargo test --release --features cuda --test gpu --test backend --test backend_threads \
-    --test cross_stream --test suite_backend --no-run \
+    --test cross_stream --test suite_backend --test publish --no-run \
     2>&1 | tee "$log"
 test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
 backend_bin=$(grep -o 'target/release/deps/backend-[0-9a-f]*' "$log" | tail -n 1)
 threads_bin=$(grep -o 'target/release/deps/backend_threads-[0-9a-f]*' "$log" | tail -n 1)
 cross_bin=$(grep -o 'target/release/deps/cross_stream-[0-9a-f]*' "$log" | tail -n 1)
 suite_backend_bin=$(grep -o 'target/release/deps/suite_backend-[0-9a-f]*' "$log" | tail -n 1)
+publish_bin=$(grep -o 'target/release/deps/publish-[0-9a-f]*' "$log" | tail -n 1)
 cargo build --release --features cuda --example quickstart --example publish_download \
     --example burn_multi_thread
 cargo bench --features cuda --bench backend --no-run 2>&1 | tee "$log"
@@ -52,6 +54,7 @@ cp "$backend_bin" gpu-bin/backend
 cp "$threads_bin" gpu-bin/backend_threads
 cp "$cross_bin" gpu-bin/cross_stream
 cp "$suite_backend_bin" gpu-bin/suite_backend
+cp "$publish_bin" gpu-bin/publish
 cp target/release/examples/burn_multi_thread gpu-bin/burn_multi_thread
 cp "$bench_backend_bin" gpu-bin/bench-backend
 strip gpu-bin/*
