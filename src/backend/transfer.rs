@@ -143,8 +143,8 @@ fn host_frontier<B: IrBackend>(
     handle: B::Handle,
     shape: &Shape,
     dtype: DType,
-) -> (BackendSource, BackendEvent) {
-    let bytes = shape.num_elements() * dtype.size();
+) -> Result<(BackendSource, BackendEvent)> {
+    let bytes = crate::size::tensor_bytes("a published value", shape, dtype, usize::MAX)?;
     let source = HostSource {
         bytes,
         data: Arc::default(),
@@ -159,10 +159,10 @@ fn host_frontier<B: IrBackend>(
             done.complete(outcome);
         }),
     );
-    (
+    Ok((
         BackendSource(Source::Host(source)),
         BackendEvent(Event::Host(frontier)),
-    )
+    ))
 }
 
 /// The host route's copy, behind the frontier's read on the same transfer thread.
@@ -238,7 +238,7 @@ impl<B: IrBackend> TransferRuntime for BackendRuntime<B> {
             },
             None => handle,
         };
-        Ok(host_frontier(ctx, stream, handle, shape, dtype))
+        host_frontier(ctx, stream, handle, shape, dtype)
     }
 
     unsafe fn download(

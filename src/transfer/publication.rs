@@ -19,13 +19,15 @@ struct Record<R: TransferRuntime> {
     stream: StreamId,
     shape: Shape,
     dtype: DType,
+    /// The value's byte length, computed with checked arithmetic at admission.
+    bytes: usize,
     /// Set once a failure of the frontier was observed: the publication is terminal.
     failure: Option<Error>,
 }
 
 impl<R: TransferRuntime> Record<R> {
     fn bytes(&self) -> usize {
-        self.shape.num_elements() * self.dtype.size()
+        self.bytes
     }
 
     /// Poll the frontier; a failure observed here makes the record terminal.
@@ -60,9 +62,11 @@ impl<R: TransferRuntime> SourcePublication<R> {
         stream: StreamId,
         shape: Shape,
         dtype: DType,
+        bytes: usize,
     ) -> Self {
         Self {
             record: Some(Record {
+                bytes,
                 context,
                 source,
                 frontier,

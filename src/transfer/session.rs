@@ -175,7 +175,17 @@ impl<R: TransferRuntime> HeldSession<R> {
             };
             return reject(value, reason);
         }
-        if value.shape().num_elements() == 0 {
+        // Checked: the byte length every later step (buffer check, copy) relies on.
+        let bytes = match crate::size::tensor_bytes(
+            "a published value",
+            value.shape(),
+            value.dtype(),
+            usize::MAX,
+        ) {
+            Ok(bytes) => bytes,
+            Err(reason) => return reject(value, reason),
+        };
+        if bytes == 0 {
             let reason = Error::InvalidData(
                 "a value of zero bytes cannot be published: no pinned buffer could receive it"
                     .into(),
@@ -217,6 +227,7 @@ impl<R: TransferRuntime> HeldSession<R> {
                 stream,
                 value.shape().clone(),
                 value.dtype(),
+                bytes,
             );
             // The publication owns the allocation now; the engine id goes.
             drop(value);
