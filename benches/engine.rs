@@ -12,6 +12,10 @@
 //! 3. `threads`: T = 1, 2, 4, 8, 16 threads, each running its own chain on its own stream.
 //!
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens the measurement (for smoke runs).
+//!
+//! This bench measures the engine alone, so it has no GPU part: on a GPU the kernels dominate.
+//! `benches/backend.rs` compares `StreamFusion<CubeBackend>` with plain `CubeBackend` and with
+//! burn-fusion's `Fusion<CubeBackend>` on CUDA, and `benches/transfer.rs` the transfer paths.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{Sender, channel};
@@ -348,167 +352,6 @@ burn_engine! {
     }
 }
 
-/// The engines on an NVIDIA GPU (feature `cuda`): ours and burn-fusion 0.21's, both launching
-/// the same CubeCL `exp` kernel through `CudaRuntime::launch`. (burn-fusion 0.23-pre links cubecl
-/// 0.12, so it cannot share these kernels.)
-#[cfg(feature = "cuda")]
-mod on_cuda {
-    use std::sync::{Arc, OnceLock};
-
-    use burn_backend::{DType, Shape, StreamId, TensorData};
-    use burn_fusion::stream::{Operation, OperationStreams};
-    use burn_fusion::{
-        Client, FuserProperties, FuserStatus, FusionRuntime, FusionTensor, OperationFuser,
-    };
-    use burn_ir::{
-        FloatOperationIr, HandleContainer, InitOperationIr, OperationIr, TensorIr, TensorStatus,
-        UnaryOpIr,
-    };
-    use fusion_streams::cuda::{CudaContext, CudaDevice, CudaHandle, CudaRuntime};
-    use fusion_streams::host::Unfused;
-    use fusion_streams::runtime::{Kernel, KernelInput, StreamRuntime};
-    use fusion_streams::{FusionClient, Operand};
-
-    const LEN: usize = 1024;
-
-    pub struct Ours(FusionClient<CudaRuntime>);
-
-    impl super::Engine for Ours {
-        type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
-        const NAME: &'static str = "fusion-streams cuda";
-        fn new() -> Self {
-            Ours(FusionClient::new(CudaDevice::new(0)).unwrap())
-        }
-        fn create(&self) -> Self::Tensor {
-            self.0
-                .from_data(TensorData::new(vec![0.5f32; LEN], [LEN]))
-                .unwrap()
-        }
-        fn exp(&self, x: Self::Tensor) -> Self::Tensor {
-            self.0.launch(Kernel::Exp, [Operand::Consume(x)]).unwrap()
-        }
-        fn sync(&self) {
-            self.0.sync().unwrap();
-        }
-    }
-
-    /// burn-fusion 0.21 with cubecl handles: the device work is this crate's kernels.
-    #[derive(Debug)]
-    pub struct BurnCuda;
-
-    fn context() -> &'static CudaContext {
-        static CONTEXT: OnceLock<CudaContext> = OnceLock::new();
-        CONTEXT.get_or_init(|| CudaRuntime::open(&CudaDevice::new(0)).unwrap())
-    }
-
-    /// Open and never ready, as in the mock benchmark: ops run unfused at the sync.
-    #[derive(Clone, Default)]
-    struct NeverReady(usize);
-
-    impl OperationFuser<Unfused> for NeverReady {
-        fn fuse(&mut self, _: &OperationIr) {
-            self.0 += 1;
-        }
-        fn finish(&mut self) -> Unfused {
-            unreachable!("burn only finishes ready fusers")
-        }
-        fn reset(&mut self) {
-            self.0 = 0;
-        }
-        fn status(&self) -> FuserStatus {
-            FuserStatus::Open
-        }
-        fn properties(&self) -> FuserProperties {
-            FuserProperties {
-                score: 0,
-                ready: false,
-            }
-        }
-        fn len(&self) -> usize {
-            self.0
-        }
-        fn clone_dyn(&self) -> Box<dyn OperationFuser<Unfused>> {
-            Box::new(self.clone())
-        }
-    }
-
-    impl FusionRuntime for BurnCuda {
-        type OptimizationState = ();
-        type Optimization = Unfused;
-        type FusionHandle = CudaHandle;
-        type FusionDevice = CudaDevice;
-        fn fusers(_: CudaDevice) -> Vec<Box<dyn OperationFuser<Unfused>>> {
-            vec![Box::new(NeverReady::default())]
-        }
-    }
-
-    #[derive(Debug)]
-    struct ExpOp(UnaryOpIr);
-
-    impl Operation<BurnCuda> for ExpOp {
-        fn execute(&self, handles: &mut HandleContainer<CudaHandle>) {
-            let input = KernelInput {
-                handle: handles.get_handle(&self.0.input.id, &self.0.input.status),
-                ir: &self.0.input,
-            };
-            let out = CudaRuntime::launch(
-                context(),
-                &Kernel::Exp,
-                [input].into_iter().collect(),
-                &self.0.out,
-            )
-            .unwrap();
-            handles.register_handle(self.0.out.id, out);
-        }
-    }
-
-    #[derive(Debug)]
-    struct InitOp(TensorIr);
-
-    impl Operation<BurnCuda> for InitOp {
-        fn execute(&self, handles: &mut HandleContainer<CudaHandle>) {
-            let data = TensorData::new(vec![0.5f32; LEN], [LEN]);
-            handles.register_handle(self.0.id, CudaRuntime::upload(context(), &data).unwrap());
-        }
-    }
-
-    pub struct Burn(Arc<Client<BurnCuda>>);
-
-    impl super::Engine for Burn {
-        type Tensor = FusionTensor<BurnCuda>;
-        const NAME: &'static str = "burn-fusion 0.21 cuda";
-        fn new() -> Self {
-            Burn(Arc::new(Client::<BurnCuda>::new(CudaDevice::new(0))))
-        }
-        fn create(&self) -> Self::Tensor {
-            let out = TensorIr {
-                id: self.0.create_empty_handle(),
-                shape: Shape::new([LEN]),
-                status: TensorStatus::NotInit,
-                dtype: DType::F32,
-            };
-            let repr = OperationIr::Init(InitOperationIr { out: out.clone() });
-            self.0
-                .register(OperationStreams::default(), repr, InitOp(out))
-                .remove(0)
-        }
-        fn exp(&self, x: Self::Tensor) -> Self::Tensor {
-            let streams = OperationStreams::with_inputs([&x]);
-            let desc = UnaryOpIr::create(x.into_ir(), || self.0.create_empty_handle());
-            let repr = OperationIr::Float(DType::F32, FloatOperationIr::Exp(desc.clone()));
-            self.0.register(streams, repr, ExpOp(desc)).remove(0)
-        }
-        fn sync(&self) {
-            // Drain, then wait for the device on the caller's cubecl stream (burn's sync closure
-            // runs on its server thread, so the stream is named explicitly).
-            let stream = StreamId::current();
-            self.0.sync(move || {
-                stream.executes(|| cubecl::future::block_on(context().client().sync()).unwrap())
-            });
-        }
-    }
-}
-
 /// Ops per chain in the throughput group, and per thread in the threads group.
 const CHAIN: usize = 10_000;
 const PER_THREAD: usize = 20_000;
@@ -684,16 +527,6 @@ fn threads<E: Engine>(c: &mut Criterion, engine: &Arc<E>) {
     group.finish();
 }
 
-/// Throughput and share latency only (the thread-scaling group measures the engine, which the
-/// mock runs already show; on a GPU the kernels would dominate).
-#[cfg(feature = "cuda")]
-fn run_device<E: Engine>(c: &mut Criterion, peer: &Peer) {
-    let engine = Arc::new(E::new());
-    eprintln!("== {} ==", E::NAME);
-    throughput(c, &*engine);
-    share(c, &engine, peer);
-}
-
 fn run_all<E: Engine>(c: &mut Criterion, peer: &Peer) {
     let engine = Arc::new(E::new());
     eprintln!("== {} ==", E::NAME);
@@ -758,18 +591,6 @@ fn report() {
             );
         }
     }
-    for kind in ["throughput", "share/materialised", "share/pending"] {
-        ratio(
-            format!("cuda_{}_vs_burn021", kind.replace('/', "_")),
-            median(&format!("{kind}/fusion-streams cuda")),
-            median(&format!("{kind}/burn-fusion 0.21 cuda")),
-            if kind.starts_with("share") {
-                "  (0.21's clone is a refcount bump with no shared view)"
-            } else {
-                ""
-            },
-        );
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Some(one) = median(&format!("threads/1/{OURS}")) {
         for n in THREADS {
@@ -795,11 +616,6 @@ fn main() {
     run_all::<ours::Ours>(&mut c, &peer);
     run_all::<burn021::Burn>(&mut c, &peer);
     run_all::<burn023::Burn>(&mut c, &peer);
-    #[cfg(feature = "cuda")]
-    if fusion_streams::cuda::CudaRuntime::is_available() {
-        run_device::<on_cuda::Ours>(&mut c, &peer);
-        run_device::<on_cuda::Burn>(&mut c, &peer);
-    }
     c.final_summary();
     report();
     eprintln!("engine benchmark finished in {:.1?}", started.elapsed());

@@ -42,7 +42,7 @@ mod gpu {
     type Cube = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
     type Runtime = BackendRuntime<Cube>;
     type Tensor = fusion_streams::FusionTensor<Runtime>;
-    type CudaHeldSession = HeldSession<Runtime>;
+    type Session = HeldSession<Runtime>;
 
     fn samples() -> &'static Mutex<BTreeMap<String, Vec<f64>>> {
         static S: OnceLock<Mutex<BTreeMap<String, Vec<f64>>>> = OnceLock::new();
@@ -65,7 +65,7 @@ mod gpu {
         Some(v[v.len() / 2])
     }
 
-    fn publish(session: &mut CudaHeldSession, value: Tensor) -> SourcePublication<Runtime> {
+    fn publish(session: &mut Session, value: Tensor) -> SourcePublication<Runtime> {
         // SAFETY: the value is produced on the session's stream by this crate's operations.
         unsafe { session.publish(value) }.expect("admitted")
     }
@@ -119,7 +119,7 @@ mod gpu {
             // download_into of published values whose frontier has been reached: batches are
             // published and awaited untimed, then their downloads (+ wait) are timed. This is
             // the hand-off path the raw baseline is the limit for.
-            let mut session = CudaHeldSession::open(client).unwrap();
+            let mut session = Session::open(client).unwrap();
             let mut buffer = Some(Runtime::alloc_pinned(client.context(), bytes).unwrap());
             let name = format!("download_into/{size}");
             group.bench_function(BenchmarkId::new("download_into", &size), |b| {
@@ -269,7 +269,7 @@ mod gpu {
 
     fn costs(c: &mut Criterion, client: &FusionClient<Runtime>) {
         let mut group = c.benchmark_group("costs");
-        let mut session = CudaHeldSession::open(client).unwrap();
+        let mut session = Session::open(client).unwrap();
         let value = client.fill([1024], 1.0, DType::F32).unwrap();
         client.sync().unwrap();
         group.bench_function("publish", |b| {
@@ -341,7 +341,7 @@ mod gpu {
         const K: usize = 8;
         let m = 4096;
         let n = m;
-        let mut session = CudaHeldSession::open(client).unwrap();
+        let mut session = Session::open(client).unwrap();
         let mut buffers: Vec<PinnedHostBuffer> = (0..K)
             .map(|_| Runtime::alloc_pinned(client.context(), n * n * 4).unwrap())
             .collect();

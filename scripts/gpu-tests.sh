@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Build the GPU test binary (tests/gpu.rs) and the CUDA quickstart for a GPU machine, stripped,
+# Build the GPU test binaries (tests/device.rs and the rest) and the CUDA examples for a GPU machine, stripped,
 # into gpu-bin/ (git-ignored). No GPU or CUDA toolkit is needed to build.
 #
 # On the GPU machine, from the repository root:
 #   export CUDA_PATH=/usr/local/cuda LD_LIBRARY_PATH=/usr/local/cuda/lib64
-#   ./gpu-bin/gpu --ignored --test-threads=1                        # the GPU tests
-#   compute-sanitizer --tool memcheck ./gpu-bin/gpu --ignored --test-threads=1
-#   compute-sanitizer --tool synccheck ./gpu-bin/gpu --ignored --test-threads=1
+#   ./gpu-bin/device --ignored --test-threads=1                     # device-only engine tests
+#   compute-sanitizer --tool memcheck ./gpu-bin/device --ignored --test-threads=1
+#   compute-sanitizer --tool synccheck ./gpu-bin/device --ignored --test-threads=1
 #   ./gpu-bin/quickstart                                              # the quickstart on CUDA
 #   ./gpu-bin/publish_download                                        # publication on CUDA
-#   ./gpu-bin/engine --bench cuda                                     # the CUDA engine benchmark
+#   ./gpu-bin/engine --bench                                          # the engine benchmark (CPU)
 #   ./gpu-bin/transfer --bench                                        # the transfer benchmark
 #   ./gpu-bin/backend --ignored --test-threads=1                      # StreamFusion<CubeBackend>
 #   ./gpu-bin/backend_threads --ignored                               #   op families, threads
@@ -27,10 +27,10 @@ export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
 mkdir -p gpu-bin
 
 log=$(mktemp)
-cargo test --release --features cuda --test gpu --test backend --test backend_threads \
+cargo test --release --features cuda --test device --test backend --test backend_threads \
     --test cross_stream --test suite_backend --test publish --no-run \
     2>&1 | tee "$log"
-test_bin=$(grep -o 'target/release/deps/gpu-[0-9a-f]*' "$log" | tail -n 1)
+test_bin=$(grep -o 'target/release/deps/device-[0-9a-f]*' "$log" | tail -n 1)
 backend_bin=$(grep -o 'target/release/deps/backend-[0-9a-f]*' "$log" | tail -n 1)
 threads_bin=$(grep -o 'target/release/deps/backend_threads-[0-9a-f]*' "$log" | tail -n 1)
 cross_bin=$(grep -o 'target/release/deps/cross_stream-[0-9a-f]*' "$log" | tail -n 1)
@@ -45,7 +45,7 @@ bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
 cargo bench --features cuda --bench transfer --no-run 2>&1 | tee "$log"
 transfer_bin=$(grep -o 'target/release/deps/transfer-[0-9a-f]*' "$log" | tail -n 1)
 
-cp "$test_bin" gpu-bin/gpu
+cp "$test_bin" gpu-bin/device
 cp target/release/examples/quickstart gpu-bin/quickstart
 cp target/release/examples/publish_download gpu-bin/publish_download
 cp "$bench_bin" gpu-bin/engine

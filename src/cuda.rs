@@ -1,70 +1,68 @@
-//! [`CudaRuntime`]: the engine on an NVIDIA GPU, over cubecl-cuda 0.10 (feature `cuda`).
+//! The crate on an NVIDIA GPU (feature `cuda`): [`StreamFusion`]`<`[`Cuda`]`>`, burn's CubeCL
+//! backend on cubecl-cuda 0.10 under the engine.
 //!
-//! * **Handles** are cubecl handles: reference-counted device allocations. `alias` is a handle
-//!   clone, and cubecl's `can_mut` is false while two exist.
-//! * **In place only on the allocating stream.** cubecl 0.10 orders another stream's access to a
-//!   buffer through the stream that *allocated* it (`Handle::stream`), not the stream that last
-//!   wrote it. A kernel may therefore write its handed-over input in place only when that input
-//!   was allocated on the current stream; a tensor moved to another thread gets a fresh output
-//!   buffer on its new stream instead. Without this rule a chain written in place on stream B into
-//!   a buffer allocated on A was invisible to a publication's frontier on a third stream, which
-//!   then downloaded it half done (reproduced on an H200: `tests/gpu.rs`, the `a_chain_on_*`
-//!   tests). With it, every buffer's writers are all on its allocating stream: what cubecl aligns
-//!   other streams with, and what a frontier covers.
-//! * **Reads** run on the buffer's allocating stream, ordered after its writers by stream order.
-//! * **Synchronisation** waits for every cubecl stream the context has dispatched to (recorded as
-//!   work is dispatched), not only the caller's.
-//! * **Streams.** Each engine stream runs on its own cubecl stream: the engine runs every
-//!   operation inside `StreamId::executes(stream)`, including when another thread drains the
-//!   stream to share one of its tensors, and cubecl selects its CUDA stream from
-//!   [`burn_backend::StreamId::current`].
-//! * **Cross-stream ordering.** cubecl 0.10 orders a kernel that reads a buffer after that
-//!   buffer's last write on another stream (measured on an H200 with a standalone cudarc probe,
-//!   and tested by this crate's GPU tests with a long producer).
-//! * **Kernels** are the built-in op set in CubeCL, with the host runtime's
-//!   summation order so that results agree bit for bit where the inputs are exact.
-//! * **Errors.** cubecl reports device failures when work is read or synchronised; they surface as
-//!   [`crate::Error::KernelFailed`] from the read. `FusionClient::fail_on_device` launches a kernel
-//!   NVRTC refuses to compile, a failure on cubecl's server after dispatch; it leaves that server
-//!   unhealthy for the process, so use it in a process of its own. A driver call that only sets
-//!   something up (`cuInit`, a context, a stream, an event, `cuMemHostAlloc`) is not a kernel:
-//!   its failure is [`crate::Error::Runtime`] naming the call, or [`crate::Error::OutOfMemory`]
-//!   when the driver ran out of memory. Calls that wait on device work (event queries, stream
-//!   synchronisation, fences) or enqueue behind it report an earlier kernel's fault, and keep
-//!   [`crate::Error::KernelFailed`].
+//! There is one CUDA path. Everything the crate does on a GPU — per-thread streams, shared
+//! views, foreign drops, kernel fusion, publication and pinned downloads — runs on
+//! `StreamFusion<CubeBackend<CudaRuntime, ..>>` and on the [`FusionClient`](crate::FusionClient) it is built on
+//! ([`StreamFusion::client`], a `FusionClient<BackendRuntime<Cuda>>` for framework authors who
+//! drive the engine directly). What the GPU adds to the backend layer:
 //!
-//! This is the crate's one public path to the CUDA runtime; it also names the transfer types
-//! for it.
+//! * **Fusion.** Each run of queued operations goes through burn-cubecl-fusion's fusers
+//!   ([`crate::backend::CubeStreamFuser`]): element-wise runs and matmuls become single kernels.
+//! * **Cross-stream rules.** cubecl 0.10 leaves two hazards open when a buffer is used on two
+//!   CUDA streams (a read ordered before the last write, and reuse under a reader on another
+//!   stream); the engine closes both on the device, without host waits. The design is in the
+//!   docs of the backend's `cross_stream` module, the measurements in
+//!   `docs/cross-stream-cuda.md`.
+//! * **Transfers.** A publication's frontier is cubecl's own fence on the session's stream (and
+//!   on the buffer's allocating stream), awaited by a per-stream waiter thread; its download is
+//!   one `cuMemcpyDtoHAsync` from the value's device buffer into page-locked `cuMemHostAlloc`
+//!   memory ([`StreamFusion::pinned_buffer`]), with a CUDA event behind it. Values that are not
+//!   one contiguous buffer (a strided view) are read through burn's own `into_data` instead.
+//! * **Errors.** cubecl reports device failures when work is read or synchronised; they reach
+//!   the read that needs the failed value. A driver call that only sets something up (a
+//!   context, a stream, an event, `cuMemHostAlloc`) is [`crate::Error::Runtime`] naming the
+//!   call, or [`crate::Error::OutOfMemory`] when the driver ran out of memory; a wait on device
+//!   work that reports an earlier kernel's fault is [`crate::Error::KernelFailed`].
 //!
 //! ```no_run
-//! use fusion_streams::cuda::{CudaDevice, CudaHeldSession, CudaRuntime};
-//! use fusion_streams::runtime::TransferRuntime;
-//! use fusion_streams::FusionClient;
+//! use burn_tensor::Tensor;
+//! use fusion_streams::backend::StreamFusion;
+//! use fusion_streams::cuda::{Cuda, CudaDevice};
 //!
-//! let client = FusionClient::<CudaRuntime>::new(CudaDevice::new(0))?;
-//! let mut session = CudaHeldSession::open(&client)?;
-//! let value = client.fill([1024], 1.0, burn_backend::DType::F32)?;
-//! // SAFETY: produced on the session's stream by this crate's operations.
-//! let publication = unsafe { session.publish(value) }.map_err(|e| e.error().clone())?;
-//! let buffer = CudaRuntime::alloc_pinned(client.context(), publication.bytes())?;
-//! let buffer = publication
+//! type B = StreamFusion<Cuda>;
+//! let device = CudaDevice::new(0);
+//! let x = Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0], &device);
+//! let y = (x.clone() * 2.0 + x).exp(); // queued on this thread's stream, fused when drained
+//! let mut session = B::session(&device)?;
+//! // SAFETY: `y` was produced by the engine's operations, which order it before the session.
+//! let publication = unsafe { session.publish(y) }.map_err(|e| e.error().clone())?;
+//! let buffer = B::pinned_buffer(&device, publication.bytes())?;
+//! let (data, _buffer) = publication
 //!     .download_into(buffer)
 //!     .map_err(|e| e.error().clone())?
-//!     .wait()
+//!     .wait_data()
 //!     .map_err(|e| e.error)?;
+//! assert_eq!(data.shape, vec![3]);
 //! # Ok::<(), fusion_streams::Error>(())
 //! ```
 
-pub use crate::runtime::cuda::{
-    CudaClient, CudaContext, CudaDevice, CudaEvent, CudaHandle, CudaRuntime, CudaSource,
-};
-pub use crate::transfer::{
-    DownloadFailed, PinnedHostBuffer, PublicationAdmissionError, PublicationError,
-};
+pub use crate::backend::StreamFusion;
+pub use cubecl::cuda::CudaDevice;
 
-/// A held session on a CUDA stream.
-pub type CudaHeldSession = crate::transfer::HeldSession<CudaRuntime>;
-/// A published CUDA value.
-pub type SourcePublication = crate::transfer::SourcePublication<CudaRuntime>;
-/// A download of a published CUDA value into pinned host memory.
-pub type PendingDownload = crate::transfer::PendingDownload<CudaRuntime>;
+/// burn's CubeCL backend on CUDA, with burn's default element types: the backend to wrap in
+/// [`StreamFusion`]. (burn's own `burn::backend::Cuda` is this backend inside burn-fusion's
+/// `Fusion`; `StreamFusion<Cuda>` takes that place.)
+pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+/// Whether a CUDA driver and at least one device are present. Never panics (cubecl does, when
+/// it first opens a device without a driver), so a program can fall back to another backend.
+pub fn is_available() -> bool {
+    // SAFETY: loading a shared library runs its initialisers. This loads NVIDIA's driver library
+    // by its standard names, the library cubecl itself loads for this backend.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    cudarc::driver::result::init().is_ok()
+        && cudarc::driver::result::device::get_count().is_ok_and(|n| n > 0)
+}

@@ -36,14 +36,15 @@
 //!   drops.
 //! * [`runtime`] — every device contract ([`runtime::StreamRuntime`],
 //!   [`runtime::TransferRuntime`], the retirement queue); the runtimes themselves are [`host`]
-//!   (the embedded asynchronous CPU device) and `cuda` (feature `cuda`).
+//!   (the embedded asynchronous CPU device) and [`backend::BackendRuntime`] (any burn backend).
 //! * [`transfer`] — held sessions, source publication, pinned downloads.
 //! * [`backend`] — [`backend::StreamFusion`], a burn `Backend` over the engine for any backend
 //!   that speaks burn's IR.
 //!
 //! ## Feature flags
 //!
-//! * `cuda` — `cuda::CudaRuntime`, the engine on an NVIDIA GPU over cubecl-cuda 0.10.
+//! * `cuda` — `StreamFusion<cuda::Cuda>`: burn's CubeCL backend on an NVIDIA GPU over
+//!   cubecl-cuda 0.10, with kernel fusion, the cross-stream rules and DMA downloads.
 //!   Builds without a GPU or a CUDA toolkit (set `CUDARC_CUDA_VERSION=13000` to pin the driver
 //!   bindings); needs the NVIDIA driver at run time.
 

@@ -173,6 +173,9 @@ fn a_publication_outlives_its_session_and_every_tensor() {
     let later = unsafe { again.publish(z) }.unwrap();
     drop(again);
     let buffer = B::pinned_buffer(&device, publication.bytes()).unwrap();
+    // Page-locked by the driver on CUDA; the host backend's copies need no locking.
+    assert_eq!(buffer.is_page_locked(), cfg!(feature = "cuda"));
+    assert!(!PinnedHostBuffer::new(16).unwrap().is_page_locked());
     let (data, buffer) = publication
         .download_into(buffer)
         .unwrap()

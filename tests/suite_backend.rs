@@ -52,5 +52,6 @@ suite! {
     in_place_is_refused_while_an_alias_lives(&client(), &suite::Counters::none());
     nothing_leaks_after_cross_thread_work(&client());
     a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(&client(), LARGE);
+    a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(&client(), LARGE);
     a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(&client(), LARGE);
 }

@@ -88,19 +88,18 @@ pub(crate) fn rules_for<B: IrBackend>(device: &B::Device) -> Option<Box<dyn Stre
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::any::{Any, TypeId};
+    use std::any::Any;
 
     use burn_backend::StreamId;
-    use burn_cubecl_fusion::CubeFusionHandle;
-    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::cuda::CudaRuntime;
     use cubecl::device_handle::DeviceHandle;
     use cubecl::server::{ComputeServer, Handle};
     use smallvec::SmallVec;
 
     use super::{IrBackend, StreamRules};
+    use crate::backend::cuda::{CudaHandle, cuda_device, cuda_handle as cuda};
 
     type Server = <CudaRuntime as cubecl::Runtime>::Server;
-    type CudaHandle = CubeFusionHandle<CudaRuntime>;
 
     /// The size of the marker buffer [`wait_for`] allocates: the smallest a pool hands out.
     const MARKER_BYTES: u64 = 4;
@@ -116,21 +115,10 @@ mod cuda {
         /// The rules for backend `B`'s `device`, if `B`'s handles are cubecl CUDA handles.
         pub(super) fn for_backend<B: IrBackend>(device: &B::Device) -> Option<Self> {
             use cubecl::device::Device as _;
-            if TypeId::of::<B::Handle>() != TypeId::of::<CudaHandle>() {
-                return None;
-            }
-            let device = (device as &dyn Any).downcast_ref::<CudaDevice>()?;
             Some(Self {
-                device: DeviceHandle::new(device.to_id()),
+                device: DeviceHandle::new(cuda_device::<B>(device)?.to_id()),
             })
         }
-    }
-
-    /// `B::Handle` as the cubecl CUDA handle it is (checked when the rules were made).
-    fn cuda<H: 'static>(handle: &H) -> &CudaHandle {
-        (handle as &dyn Any)
-            .downcast_ref()
-            .expect("the rules of a cubecl CUDA device see only its handles")
     }
 
     impl<B: IrBackend> StreamRules<B> for CudaRules {

@@ -39,6 +39,8 @@ mod bool;
 mod cross_stream;
 #[cfg(feature = "cuda")]
 mod cube;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod float;
 mod fusion;
 mod int;
@@ -77,8 +79,16 @@ pub use transfer::{BackendEvent, BackendSource};
 #[cfg(all(feature = "cuda", feature = "testing"))]
 #[doc(hidden)]
 pub fn fail_next_download_after_enqueue() {
-    crate::runtime::cuda::transfer::FAIL_NEXT_RECORD
-        .store(true, std::sync::atomic::Ordering::SeqCst);
+    cuda::FAIL_NEXT_RECORD.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Test hook (features `cuda` and `testing`): a kernel that executes PTX `trap` on `device` —
+/// a real device fault, after which the device's context (cubecl's included) is lost for the
+/// rest of the process. Returns once the fault has happened. For this crate's own tests.
+#[cfg(all(feature = "cuda", feature = "testing"))]
+#[doc(hidden)]
+pub fn trap_on_device(device: &cubecl::cuda::CudaDevice) -> crate::Result<()> {
+    cuda::trap_on_device(device.index)
 }
 
 /// A [`HeldSession`] on a [`StreamFusion`] device: see [`StreamFusion::session`].

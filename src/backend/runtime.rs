@@ -58,7 +58,7 @@ pub struct BackendContext<B: IrBackend> {
     // while a copy may still use it.
     pub(crate) transfers: Workers,
     #[cfg(feature = "cuda")]
-    pub(crate) cuda: Option<super::transfer::CudaRoute>,
+    pub(crate) cuda: Option<super::cuda::CudaRoute>,
     pub(crate) retirement: RetirementQueue<Retired<BackendRuntime<B>>>,
 }
 
@@ -191,7 +191,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
             rules: rules_for::<B>(device),
             transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
             #[cfg(feature = "cuda")]
-            cuda: super::transfer::CudaRoute::for_backend::<B>(device),
+            cuda: super::cuda::CudaRoute::for_backend::<B>(device),
             retirement: RetirementQueue::new(RETIREMENT_CAPACITY),
         })
     }

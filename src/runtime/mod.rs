@@ -12,8 +12,6 @@ use burn_ir::TensorIr;
 
 use crate::Result;
 
-#[cfg(feature = "cuda")]
-pub(crate) mod cuda;
 mod fusion;
 pub(crate) mod host;
 mod pinned;

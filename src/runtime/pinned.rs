@@ -21,6 +21,10 @@ pub(crate) trait PinnedMemory: Send + Sync {
     fn len(&self) -> usize;
     /// What kind of memory this is, for `Debug`.
     fn kind(&self) -> &'static str;
+    /// Whether the memory is page-locked (registered with a device driver for DMA).
+    fn page_locked(&self) -> bool {
+        false
+    }
 }
 
 /// Page-aligned host memory from the global allocator.
@@ -87,9 +91,15 @@ pub struct PinnedHostBuffer {
 }
 
 impl PinnedHostBuffer {
-    /// A page-aligned host buffer of `len` bytes, zero-filled. Any runtime can copy into it; a
-    /// runtime's own allocator ([`crate::runtime::TransferRuntime::alloc_pinned`]) may give
-    /// memory its copies are faster into (page-locked memory on CUDA).
+    /// A page-aligned host buffer of `len` bytes, zero-filled, from the global allocator.
+    ///
+    /// It is **not page-locked**: ordinary pageable memory, which every runtime can copy into,
+    /// but which a GPU cannot write by DMA (a CUDA copy into it is staged through the driver's
+    /// own buffers, and is slower). For downloads from a GPU, allocate with the device's
+    /// allocator instead: [`crate::backend::StreamFusion::pinned_buffer`] (or
+    /// [`crate::runtime::TransferRuntime::alloc_pinned`]), which gives page-locked
+    /// `cuMemHostAlloc` memory on CUDA and this same memory on host backends.
+    /// [`PinnedHostBuffer::is_page_locked`] tells the two apart.
     ///
     /// A zero length is rejected with [`Error::InvalidData`], a length no allocation can have
     /// with [`Error::TooLarge`], and a failed allocation is [`Error::OutOfMemory`].
@@ -116,6 +126,13 @@ impl PinnedHostBuffer {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.memory.len()
+    }
+
+    /// Whether the memory is page-locked (from a device driver's allocator, such as CUDA's
+    /// `cuMemHostAlloc`), so that a device copies into it by DMA. `false` for
+    /// [`PinnedHostBuffer::new`]'s memory.
+    pub fn is_page_locked(&self) -> bool {
+        self.memory.page_locked()
     }
 
     /// Always `false`: empty buffers are rejected at allocation.

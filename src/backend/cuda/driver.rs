@@ -137,6 +137,9 @@ impl PinnedMemory for CudaPinned {
     fn kind(&self) -> &'static str {
         "cuMemHostAlloc"
     }
+    fn page_locked(&self) -> bool {
+        true
+    }
 }
 
 /// A non-blocking stream of the primary context, owned: every copy enqueued on it completes
@@ -233,5 +236,37 @@ impl Drop for OwnedStream {
             // SAFETY: last owner of the stream.
             let _ = unsafe { result::stream::destroy(self.stream) };
         }
+    }
+}
+
+/// Test hook: run a kernel that executes PTX `trap` on device `ordinal`, and return once it has
+/// faulted. A real device fault: the driver marks the device's primary context lost, so every
+/// later wait on that context (cubecl's fences included) reports it, for the rest of the
+/// process.
+#[cfg(feature = "testing")]
+pub(crate) fn trap_on_device(ordinal: usize) -> Result<()> {
+    const PTX: &std::ffi::CStr = c".version 7.0
+.target sm_70
+.address_size 64
+.visible .entry fusion_streams_trap()
+{
+    trap;
+}
+";
+    let primary = PrimaryContext::retain(ordinal)?;
+    primary.make_current()?;
+    // SAFETY: a NUL-terminated PTX image; the primary context is current.
+    let module = unsafe { result::module::load_data(PTX.as_ptr().cast()) }
+        .map_err(|e| setup("cuModuleLoadData", e))?;
+    // SAFETY: `module` was just loaded and is never unloaded (the context is lost anyway).
+    let function = unsafe { result::module::get_function(module, c"fusion_streams_trap".into()) }
+        .map_err(|e| setup("cuModuleGetFunction", e))?;
+    let stream = OwnedStream::new(&primary)?;
+    // SAFETY: the kernel takes no parameters and touches no memory.
+    unsafe { result::launch_kernel(function, (1, 1, 1), (1, 1, 1), 0, stream.stream, &mut []) }
+        .map_err(|e| setup("cuLaunchKernel", e))?;
+    match stream.synchronize() {
+        Err(_) => Ok(()),
+        Ok(()) => Err(Error::Runtime("the trap kernel did not fault".into())),
     }
 }

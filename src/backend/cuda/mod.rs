@@ -41,31 +41,57 @@
 //!   pinned memory, copy stream).
 //! * `event.rs` — [`CudaEvent`], the completion state machine.
 //! * `waiter.rs` — the per-stream waiter threads and their jobs.
-//! * here — the [`TransferRuntime`] implementation that ties them to cubecl's server.
+//! * `route.rs` — [`CudaRoute`], which `BackendRuntime`'s `TransferRuntime` implementation takes
+//!   for a contiguous value of a cubecl CUDA handle.
+//! * here — [`CudaTransfer`], which ties them to cubecl's server, and the check that a backend's
+//!   handles are cubecl CUDA handles.
 
 mod driver;
 mod event;
+mod route;
 mod waiter;
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::fmt;
 use std::sync::mpsc::channel;
 use std::sync::{Arc, OnceLock};
 
-use burn_backend::{DType, Shape, StreamId};
+use burn_backend::StreamId;
 use cubecl::server::Handle;
 use parking_lot::Mutex;
 
-#[cfg(feature = "testing")]
-pub(crate) use driver::FAIL_NEXT_RECORD;
 use driver::{CudaPinned, OwnedStream, PrimaryContext, setup};
+#[cfg(feature = "testing")]
+pub(crate) use driver::{FAIL_NEXT_RECORD, trap_on_device};
 pub use event::CudaEvent;
 use event::State;
+pub(crate) use route::CudaRoute;
 use waiter::{Job, Waiters};
 
-use super::{CudaContext, CudaDevice, CudaHandle, CudaRuntime};
-use crate::runtime::{PinnedHostBuffer, PinnedMemory, Retired, RetirementQueue, TransferRuntime};
+use cubecl::cuda::CudaDevice;
+
+use crate::backend::IrBackend;
+use crate::runtime::{PinnedHostBuffer, PinnedMemory};
 use crate::{Error, Result};
+
+/// The handle type of burn's `CubeBackend<CudaRuntime, F, I, B>`, for any element types.
+pub(crate) type CudaHandle = burn_cubecl_fusion::CubeFusionHandle<cubecl::cuda::CudaRuntime>;
+
+/// `device` as the CUDA device it is, when backend `B`'s handles are cubecl CUDA handles (burn's
+/// `CubeBackend` on CUDA); `None` for every other backend.
+pub(crate) fn cuda_device<B: IrBackend>(device: &B::Device) -> Option<&CudaDevice> {
+    if TypeId::of::<B::Handle>() != TypeId::of::<CudaHandle>() {
+        return None;
+    }
+    (device as &dyn Any).downcast_ref::<CudaDevice>()
+}
+
+/// A handle of a backend [`cuda_device`] accepted, as the cubecl CUDA handle it is.
+pub(crate) fn cuda_handle<H: 'static>(handle: &H) -> &CudaHandle {
+    (handle as &dyn Any)
+        .downcast_ref()
+        .expect("a backend with a CUDA device has cubecl CUDA handles")
+}
 
 /// A published value's device address, and the cubecl resource that keeps it valid.
 struct Address {
@@ -258,76 +284,3 @@ impl CudaTransfer {
         )?)))
     }
 }
-
-impl CudaContext {
-    /// Wait for the transfer waiters (if any) and release completed retirement records.
-    pub(crate) fn settle_transfers(&self) -> Result<()> {
-        if let Some(transfer) = self.transfer.get() {
-            transfer.barrier()?;
-        }
-        self.retirement.sweep();
-        Ok(())
-    }
-
-    fn transfer(&self) -> Result<&CudaTransfer> {
-        if let Some(t) = self.transfer.get() {
-            return Ok(t);
-        }
-        let t = CudaTransfer::new(&self.device)?;
-        Ok(self.transfer.get_or_init(|| t))
-    }
-
-    /// The retirement queue of dropped transfers.
-    pub fn retirement(&self) -> &RetirementQueue<Retired<CudaRuntime>> {
-        &self.retirement
-    }
-}
-
-impl TransferRuntime for CudaRuntime {
-    type Event = CudaEvent;
-    type Source = CudaSource;
-
-    fn publishable(_: &CudaContext, dtype: DType) -> bool {
-        matches!(dtype, DType::F32 | DType::I32)
-    }
-
-    fn record_frontier(
-        ctx: &CudaContext,
-        stream: StreamId,
-        handle: CudaHandle,
-        _: &Shape,
-        _: DType,
-    ) -> Result<(CudaSource, CudaEvent)> {
-        ctx.transfer()?.record_frontier(stream, handle.handle)
-    }
-
-    unsafe fn download(
-        ctx: &CudaContext,
-        stream: StreamId,
-        source: &CudaSource,
-        frontier: &CudaEvent,
-        buffer: &PinnedHostBuffer,
-    ) -> Result<CudaEvent> {
-        // SAFETY: forwarded from the caller.
-        unsafe { ctx.transfer()?.download(stream, source, frontier, buffer) }
-    }
-
-    fn poll_event(event: &CudaEvent) -> Option<Result<()>> {
-        event.poll()
-    }
-
-    fn wait_event(event: &CudaEvent) -> Result<()> {
-        event.wait()
-    }
-
-    fn alloc_pinned(ctx: &CudaContext, len: usize) -> Result<PinnedHostBuffer> {
-        ctx.transfer()?.alloc_pinned(len)
-    }
-
-    fn retirement(ctx: &CudaContext) -> &RetirementQueue<Retired<Self>> {
-        &ctx.retirement
-    }
-}
-
-/// The context's slot for its transfer machinery, created with the first publication.
-pub(crate) type TransferSlot = OnceLock<CudaTransfer>;

@@ -1,5 +1,13 @@
-//! The engine on an NVIDIA GPU (feature `cuda`). Every test needs a GPU and is ignored by
-//! default; `scripts/gpu-tests.sh` builds this binary for a GPU machine and says how to run it.
+//! What only a GPU shows, on the one CUDA path: the engine under `StreamFusion<Cuda>`
+//! (`FusionClient<BackendRuntime<CubeBackend<CudaRuntime, ..>>>`, feature `cuda`). Long
+//! producers read on another stream without a host wait, a buffer read on one stream while its
+//! last id goes on another, a drain from another thread on the source's cubecl stream, real
+//! device faults (memory exhausted, a kernel that traps), and the transfer paths' device side.
+//! The runtime-generic suite runs on the same client in `tests/suite_backend.rs`, and
+//! publication as burn code in `tests/publish.rs`.
+//!
+//! Every test needs a GPU and is ignored by default: `scripts/gpu-tests.sh` builds this binary
+//! for a GPU machine, `scripts/gpu-evidence.sh` runs it.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -9,45 +17,41 @@ use std::time::Instant;
 
 use common::Peer;
 use fusion_streams::FusionClient;
-use fusion_streams::cuda::{CudaDevice, CudaRuntime};
+use fusion_streams::backend::BackendRuntime;
+use fusion_streams::cuda::Cuda;
 use suite::{matrix, settle, values};
 
-const GPU: &str = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine";
-
-fn client() -> FusionClient<CudaRuntime> {
-    FusionClient::with_config(CudaDevice::new(0), common::lazy_config()).expect("CUDA device 0")
+fn client() -> FusionClient<BackendRuntime<Cuda>> {
+    FusionClient::with_config(Default::default(), common::lazy_config()).expect("CUDA device 0")
 }
 
-macro_rules! on_gpu {
-    ($($name:ident($($arg:expr),*);)*) => {$(
-        #[test]
-        #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-        fn $name() {
-            suite::$name($($arg),*);
-        }
-    )*};
-}
-
-on_gpu! {
-    builtins_match_reference(&client());
-    pending_share_drains_then_aliases(&client());
-    materialised_share_does_not_drain(&client());
-    chained_share_drains_once(&client());
-    every_drop_order_frees_each_id_once(client, &suite::Counters::none());
-    foreign_drop_under_a_pending_reader_is_deferred(&client());
-    errors_travel_across_threads(&client());
-    in_place_is_refused_while_an_alias_lives(&client(), &suite::Counters::none());
-    nothing_leaks_after_cross_thread_work(&client());
-}
-
-/// 64 Mi f32 (256 MiB): each kernel of a chain takes long enough that a reader that is not
-/// ordered after the chain sees it half done.
-const LARGE: usize = 1 << 26;
-
-on_gpu! {
-    a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(&client(), LARGE);
-    a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(&client(), LARGE);
-    a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(&client(), LARGE);
+/// Run test `name` of this binary in a child process, and check that it printed `marker`: for
+/// scenarios that leave cubecl's server or the device's context unusable for the rest of the
+/// process. Returns `true` in the child, where the scenario itself is to run.
+fn in_child(name: &str, marker: &str) -> bool {
+    if std::env::var_os("FUSION_STREAMS_GPU_CHILD").is_some() {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            name,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FUSION_STREAMS_GPU_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let seen: Vec<_> = stdout.lines().filter(|l| l.contains(marker)).collect();
+    println!("child: {}", seen.join(" | "));
+    assert!(
+        out.status.success() && !seen.is_empty(),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
 }
 
 /// A share from thread B drains stream A: A's queued work must still run on A's cubecl stream
@@ -68,14 +72,14 @@ fn a_drain_from_another_thread_runs_on_the_source_stream() {
     });
     assert_eq!(
         // SAFETY: only the handle's allocating stream is inspected.
-        unsafe { y.handle() }.unwrap().stream(),
+        unsafe { y.handle() }.unwrap().handle.stream,
         main,
         "y was produced on main's stream"
     );
     let z_stream = peer.run({
         let z = z.clone();
         // SAFETY: as above.
-        move || unsafe { z.clone().handle() }.unwrap().stream()
+        move || unsafe { z.clone().handle() }.unwrap().handle.stream
     });
     assert_eq!(z_stream, peer_stream, "z was produced on the peer's stream");
     assert_eq!(values(&z), vec![6.0, 12.0]);
@@ -84,13 +88,14 @@ fn a_drain_from_another_thread_runs_on_the_source_stream() {
 /// A real device failure (allocating past the GPU's memory) reaches the caller as a typed error
 /// from the read of the tensor it was to produce, not as a crash or as silently wrong data.
 ///
-/// cubecl 0.10 panics on its own server thread when an allocation fails and does not report it
-/// through `sync` (observed on the H200: 64 allocations of 4 GiB all "synchronised" without an
-/// error); the read of the tensor is where it surfaces. Run alone: cubecl's server may stay
-/// unhealthy afterwards.
+/// cubecl 0.10 panics on its own server thread when an allocation fails, and its server may stay
+/// unhealthy afterwards: the scenario runs in a child process.
 #[test]
-#[ignore = "needs an NVIDIA GPU: run alone (it exhausts device memory): gpu --ignored --exact device_out_of_memory_is_a_typed_error"]
+#[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
 fn device_out_of_memory_is_a_typed_error() {
+    if !in_child("device_out_of_memory_is_a_typed_error", "typed error") {
+        return;
+    }
     let c = client();
     let n = 1usize << 30; // 4 GiB of f32 per tensor; 40 of them exceed an H200's 141 GiB
     let held: Vec<_> = (0..40)
@@ -101,12 +106,14 @@ fn device_out_of_memory_is_a_typed_error() {
         })
         .collect();
     let error = held.last().unwrap().read().unwrap_err();
-    println!("the read of the 40th 4 GiB tensor returned: {error}");
+    println!("typed error: the read of the 40th 4 GiB tensor returned {error}");
     assert!(matches!(
         error,
         fusion_streams::Error::KernelFailed { .. }
             | fusion_streams::Error::OperationPanicked { .. }
     ));
+    // cubecl's server is gone: skip the teardown that would wait on it.
+    std::process::exit(0);
 }
 
 /// Small integers, so every product and sum below is exact in f32.
@@ -123,7 +130,6 @@ fn matmul_at(a: &[f32], b: &[f32], n: usize, i: usize, j: usize) -> f32 {
 #[test]
 #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
 fn long_producer_shared_across_streams_without_host_sync() {
-    let _ = GPU;
     let c = client();
     let n = 2048;
     let (a, b) = (ints(n * n, 1), ints(n * n, 4));
@@ -197,64 +203,44 @@ fn a_buffer_read_on_another_stream_is_not_reused_under_the_reader() {
 }
 
 mod transfer {
-    //! Source publication on the GPU: the evidence table of the source-publication record.
+    //! The device side of publication: page-locked allocation failures, frontiers of long
+    //! producers, both copy routes, retention of in-flight copies, and a device fault after
+    //! `publish`.
     use std::sync::{Arc, Weak};
 
-    use fusion_streams::cuda::{CudaContext, CudaRuntime};
+    use fusion_streams::backend::{BackendContext, Download, Publication, Session};
     use fusion_streams::runtime::TransferRuntime;
-    use fusion_streams::transfer::{
-        HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError,
-        SourcePublication,
-    };
+    use fusion_streams::transfer::{HeldSession, PinnedHostBuffer, PublicationAdmissionError};
 
-    use super::{client, ints, matmul_at};
+    use super::{Cuda, client, in_child, ints, matmul_at};
     use crate::common::buffer_f32s;
-    use crate::suite::{f32s, matrix, values};
+    use crate::suite::{f32s, matrix};
 
-    type Tensor = fusion_streams::FusionTensor<CudaRuntime>;
+    type Runtime = fusion_streams::backend::BackendRuntime<Cuda>;
+    type Tensor = fusion_streams::FusionTensor<Runtime>;
 
-    fn publish(
-        session: &mut HeldSession<CudaRuntime>,
-        value: Tensor,
-    ) -> SourcePublication<CudaRuntime> {
-        // SAFETY: values are produced by this crate's operations, which cubecl orders before
-        // the session's stream.
+    fn publish(session: &mut Session<Cuda>, value: Tensor) -> Publication<Cuda> {
+        // SAFETY: values are produced by the engine's operations, which order them before the
+        // session's stream.
         unsafe { session.publish(value) }.expect("admitted")
     }
 
-    fn pinned(ctx: &CudaContext, len: usize) -> PinnedHostBuffer {
-        CudaRuntime::alloc_pinned(ctx, len).unwrap()
+    fn pinned(ctx: &BackendContext<Cuda>, len: usize) -> PinnedHostBuffer {
+        Runtime::alloc_pinned(ctx, len).unwrap()
     }
 
-    fn download(
-        p: SourcePublication<CudaRuntime>,
-        buffer: PinnedHostBuffer,
-    ) -> PendingDownload<CudaRuntime> {
+    fn download(p: Publication<Cuda>, buffer: PinnedHostBuffer) -> Download<Cuda> {
         p.download_into(buffer).expect("enqueued")
     }
 
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_publication_survives_session_close() {
-        let c = client();
-        let mut session = HeldSession::open(&c).unwrap();
-        let x = f32s(&c, &[1.5, -2.0, 3.25]);
-        let p = publish(&mut session, x.scale(2.0).unwrap().add(&x).unwrap());
-        session.close();
-        // No session open on the stream now; the download takes none.
-        HeldSession::open(&c).unwrap().close();
-        let buffer = download(p, pinned(c.context(), 12)).wait().unwrap();
-        assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
-    }
-
     /// A pinned allocation the host cannot back is a typed out-of-memory error from the driver
-    /// call, not a kernel failure; and the runtime keeps working after it.
+    /// call, not a kernel failure; and allocation keeps working after it.
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_pinned_allocation_failure_is_out_of_memory() {
+    fn pinned_allocation_failure_is_out_of_memory() {
         let c = client();
         let huge = 1usize << 46; // 64 TiB of page-locked memory: no host has it
-        let error = CudaRuntime::alloc_pinned(c.context(), huge).unwrap_err();
+        let error = Runtime::alloc_pinned(c.context(), huge).unwrap_err();
         println!("alloc_pinned(64 TiB) returned: {error}");
         // Out of memory when the driver says so; any other refusal is a runtime error naming
         // the call. Never a kernel failure.
@@ -266,19 +252,22 @@ mod transfer {
             },
             "{error:?}"
         );
-        assert_eq!(pinned(c.context(), 16).len(), 16);
+        let buffer = pinned(c.context(), 16);
+        assert_eq!(buffer.len(), 16);
+        assert!(buffer.is_page_locked(), "cuMemHostAlloc memory");
     }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_frontier_is_not_ready_right_after_a_large_producer() {
+    fn frontier_is_not_ready_right_after_a_large_producer() {
         let c = client();
         let mut session = HeldSession::open(&c).unwrap();
-        let n = 2048;
+        let n = 4096;
         let (a, b) = (ints(n * n, 3), ints(n * n, 6));
-        let product = matrix(&c, a.clone(), n, n)
-            .matmul(&matrix(&c, b.clone(), n, n))
-            .unwrap();
+        let (ta, tb) = (matrix(&c, a.clone(), n, n), matrix(&c, b.clone(), n, n));
+        // Warm the matmul up (its autotune runs once), so the measured producer is the kernel.
+        let _ = ta.matmul(&tb).unwrap().read().unwrap();
+        let product = ta.matmul(&tb).unwrap().scale(1.0).unwrap();
         let started = std::time::Instant::now();
         let mut p = publish(&mut session, product);
         let publish_took = started.elapsed();
@@ -286,20 +275,23 @@ mod transfer {
         let ready_now = p.frontier_ready().unwrap();
         let poll_took = started.elapsed();
         println!("publish {publish_took:?}, frontier_ready {poll_took:?} -> {ready_now}");
-        assert!(!ready_now, "frontier ready right after a ~0.3 s producer");
+        assert!(
+            !ready_now,
+            "frontier ready right after a 4096² matmul was queued"
+        );
         p.await_frontier().unwrap();
         assert!(p.frontier_ready().unwrap());
         let got = buffer_f32s(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
-        for (i, j) in [(0, 0), (9, 2047), (2047, 2047)] {
+        for (i, j) in [(0, 0), (9, 4095), (4095, 4095)] {
             assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
         }
     }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_publication_retains_its_allocation_without_any_source_handle() {
+    fn a_publication_retains_its_allocation_and_runtime_without_any_source_handle() {
         let c = client();
-        let runtime: Weak<CudaContext> = Arc::downgrade(c.context());
+        let runtime: Weak<BackendContext<Cuda>> = Arc::downgrade(c.context());
         let mut session = HeldSession::open(&c).unwrap();
         let buffer = pinned(c.context(), 12);
         let x = f32s(&c, &[7.0, 8.0, 9.0]);
@@ -312,113 +304,63 @@ mod transfer {
         );
         let buffer = download(p, buffer).wait().unwrap();
         assert_eq!(buffer_f32s(&buffer), vec![-7.0, -8.0, -9.0]);
-        assert!(runtime.upgrade().is_none(), "torn down with its last owner");
     }
 
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_lifecycle_retire_release_forget_reject() {
+    fn dropped_in_flight_is_retired_and_forgotten_leaks_in_place() {
         let c = client();
         let mut session = HeldSession::open(&c).unwrap();
-        let n = 2048;
+        let n = 4096;
         let (a, b) = (ints(n * n, 1), ints(n * n, 2));
-        let product = matrix(&c, a, n, n).matmul(&matrix(&c, b, n, n)).unwrap();
-        drop(publish(&mut session, product)); // frontier in flight: retired, not waited for
-        assert_eq!(c.context().retirement().stats().pending, 1);
+        let (ta, tb) = (matrix(&c, a, n, n), matrix(&c, b, n, n));
+        let _ = ta.matmul(&tb).unwrap().read().unwrap(); // autotune once
+        let before = c.context().retirement().stats();
+        drop(publish(&mut session, ta.matmul(&tb).unwrap())); // frontier in flight: retired
+        assert_eq!(c.context().retirement().stats().pending, before.pending + 1);
         session.synchronize().unwrap();
         let s = c.context().retirement().stats();
-        assert_eq!((s.pending, s.released), (0, 1), "synchronize released it");
+        assert_eq!(s.pending, 0, "synchronize released it");
+        assert_eq!(s.released, before.released + 1);
 
         let forgotten = publish(&mut session, f32s(&c, &[1.0]));
         std::mem::forget(forgotten);
         session.synchronize().unwrap();
         assert_eq!(
             c.context().retirement().stats().released,
-            1,
+            before.released + 1,
             "forget leaks in place"
         );
-
-        let other = client();
-        let foreign = f32s(&other, &[4.0]);
-        match unsafe { session.publish(foreign) } {
-            Err(PublicationAdmissionError::Rejected(r)) => assert_eq!(values(&r.value), vec![4.0]),
-            other => panic!("expected a rejection, got {other:?}"),
-        }
     }
 
+    /// A kernel that traps on the device (a real fault, which loses the device's context) while
+    /// a publication's producer still runs: `await_frontier` fails; the publication is terminal,
+    /// `frontier_ready` reports the error, a further await refuses, `download_into` refuses with
+    /// both owners back and the buffer untouched, and the dropped record goes to permanent
+    /// retention. The lost context stays lost: the scenario runs in a child process.
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_wrong_length_buffer_is_refused_with_both_owners_back_and_buffers_are_reused() {
-        let c = client();
-        let mut session = HeldSession::open(&c).unwrap();
-        let p = publish(&mut session, f32s(&c, &[1.0, 2.0]));
-        let (p, wrong, reason) = p
-            .download_into(pinned(c.context(), 12))
-            .unwrap_err()
-            .into_parts();
-        assert!(matches!(
-            reason,
-            fusion_streams::Error::BufferSize {
-                expected: 8,
-                found: 12
-            }
-        ));
-        assert_eq!(wrong.len(), 12);
-        let mut buffer = download(p, pinned(c.context(), 8)).wait().unwrap();
-        assert_eq!(buffer_f32s(&buffer), vec![1.0, 2.0]);
-        let address = buffer.as_bytes().as_ptr();
-        for round in 1..4 {
-            let p = publish(&mut session, f32s(&c, &[round as f32, -(round as f32)]));
-            buffer = download(p, buffer).wait().unwrap();
-            assert_eq!(buffer.as_bytes().as_ptr(), address);
-            assert_eq!(buffer_f32s(&buffer), vec![round as f32, -(round as f32)]);
-        }
-    }
-
-    /// Beyond the seed, on the GPU: a kernel that fails on the device after `publish` makes
-    /// `await_frontier` fail; the publication is terminal, `frontier_ready` reports the error, a
-    /// further await refuses, `download_into` refuses with both owners back, and the dropped
-    /// record goes to permanent retention. The fault leaves cubecl's server unhealthy, so the
-    /// scenario runs in a child process (this test binary, re-executed).
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_device_failure_after_publish_makes_the_publication_terminal() {
-        const NAME: &str =
-            "transfer::cuda_device_failure_after_publish_makes_the_publication_terminal";
-        if std::env::var_os("FUSION_STREAMS_GPU_CHILD").is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--ignored",
-                    "--exact",
-                    NAME,
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env("FUSION_STREAMS_GPU_CHILD", "1")
-                .output()
-                .unwrap();
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            println!(
-                "child: {}",
-                stdout
-                    .lines()
-                    .filter(|l| l.contains("terminal"))
-                    .collect::<Vec<_>>()
-                    .join(" | ")
-            );
-            assert!(
-                out.status.success(),
-                "child failed:\n{stdout}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(stdout.contains("terminal path observed"));
+    fn a_device_fault_after_publish_makes_the_publication_terminal() {
+        const NAME: &str = "transfer::a_device_fault_after_publish_makes_the_publication_terminal";
+        if !in_child(NAME, "terminal path observed") {
             return;
         }
         let c = client();
         let mut session = HeldSession::open(&c).unwrap();
-        let x = f32s(&c, &[1.0, 2.0]);
-        let faulty = c.fail_on_device(&x).unwrap(); // dispatch succeeds; the device side fails
-        let mut p = publish(&mut session, faulty);
+        let n = 8192;
+        let x = c.fill([n, n], 1.0, burn_backend::DType::F32).unwrap();
+        let _ = x.matmul(&x).unwrap().read().unwrap(); // autotune once
+        // A producer of a few hundred milliseconds: a chain of 8192² matmuls.
+        let mut producer = x.matmul(&x).unwrap();
+        for _ in 0..8 {
+            producer = producer.scale(1.0 / n as f64).unwrap().matmul(&x).unwrap();
+        }
+        let mut p = publish(&mut session, producer);
+        assert!(
+            !p.frontier_ready().unwrap(),
+            "the producer finished before the fault: make it longer"
+        );
+        fusion_streams::backend::trap_on_device(&Default::default()).unwrap();
         let error = match p.await_frontier() {
             Err(PublicationAdmissionError::Unproven { error }) => error,
             other => panic!("expected a failed frontier, got {other:?}"),
@@ -429,7 +371,7 @@ mod transfer {
             p.await_frontier(),
             Err(PublicationAdmissionError::Unproven { .. })
         ));
-        let mut buffer = pinned(c.context(), 8);
+        let mut buffer = PinnedHostBuffer::new(n * n * 4).unwrap();
         buffer.as_bytes_mut().fill(0xAB);
         let (p, buffer, reason) = p.download_into(buffer).unwrap_err().into_parts();
         assert_eq!(reason, error);
@@ -442,6 +384,8 @@ mod transfer {
         let s = c.context().retirement().stats();
         assert_eq!((s.permanent, s.pending), (1, 0));
         println!("terminal path observed: {error}");
+        // The context is lost: skip the teardown that would wait on it.
+        std::process::exit(0);
     }
 
     /// Both copy routes give exact bytes and keep the allocation until their event: a download
@@ -450,7 +394,7 @@ mod transfer {
     /// is retired, and `synchronize` releases it.
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_direct_and_waiter_copies_are_exact_and_retained_until_done() {
+    fn direct_and_waiter_copies_are_exact_and_retained_until_done() {
         let c = client();
         let mut session = HeldSession::open(&c).unwrap();
         let len = 64 << 20; // 256 MiB: milliseconds to copy
@@ -487,30 +431,5 @@ mod transfer {
         let settled = c.context().retirement().stats();
         assert_eq!(settled.pending, 0);
         assert!(settled.released > before.released);
-    }
-
-    /// A value produced on another stream (thread) is published from this session through a
-    /// view; the frontier also covers the stream that produced it.
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn cuda_value_from_another_stream_is_published_exactly() {
-        let c = client();
-        let mut session = HeldSession::open(&c).unwrap();
-        let peer = crate::common::Peer::spawn();
-        let n = 2048;
-        let (a, b) = (ints(n * n, 4), ints(n * n, 5));
-        let (c2, a2, b2) = (c.clone(), a.clone(), b.clone());
-        let product = peer.run(move || {
-            let p = matrix(&c2, a2, n, n)
-                .matmul(&matrix(&c2, b2, n, n))
-                .unwrap();
-            c2.drain();
-            p
-        });
-        let p = publish(&mut session, product);
-        let got = buffer_f32s(&download(p, pinned(c.context(), n * n * 4)).wait().unwrap());
-        for (i, j) in [(0, 0), (100, 2000), (2047, 1)] {
-            assert_eq!(got[i * n + j], matmul_at(&a, &b, n, i, j), "({i}, {j})");
-        }
     }
 }
