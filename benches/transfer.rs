@@ -4,14 +4,18 @@
 //!
 //! * `transfer_paths`: 16 B, 64 KiB, 8 MiB and 256 MiB from one device buffer to the host:
 //!   `download_into` a reused pinned buffer + `wait` (of values published beforehand, their
-//!   frontier reached), the same end to end with `publish` timed too, burn's own `into_data`
+//!   frontier reached), the same end to end with `publish` timed too (and once more with the
+//!   caller awaiting the frontier before it downloads), burn's own `into_data`
 //!   (what a burn user would call instead), cubecl's `read_one`, a pageable `cuMemcpyDtoH`, and a
 //!   raw `cuMemcpyDtoHAsync` + event into `cuMemHostAlloc` memory (the practical limit), side by
 //!   side in one run. Prints GB/s and `ratio <path>_vs_{raw,into_data,read_one}_<size>`.
 //! * `transfer_overlap`: K rounds of produce → publish → download, pipelined (the next producer
 //!   runs while the previous copy does) against the same work done serially; the producer is
 //!   sized so that its compute time is about the copy time. Prints `ratio overlap_vs_serial`.
-//! * `publish` and `frontier_ready`: the cost of each call.
+//! * `publish` and `frontier_ready`: the cost of each call; `frontier`: publish + await of a value
+//!   already finished, beside cubecl's own `sync` of an idle stream (the floor of any frontier
+//!   observed on the host, which is the only ordering cubecl 0.10 leaves a copy on another
+//!   stream).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -162,6 +166,25 @@ mod gpu {
                     t
                 })
             });
+            // The same, split where the two routes part: the caller awaits the frontier, then
+            // downloads by the direct route. Against `publish_download` (whose download is asked
+            // for while the frontier is pending, and goes through the stream's waiter), this
+            // shows what the waiter's hop costs.
+            let name = format!("publish_await_download/{size}");
+            group.bench_function(BenchmarkId::new("publish_await_download", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let mut p = publish(&mut session, value.clone());
+                        p.await_frontier().unwrap();
+                        let pending = p.download_into(buffer.take().unwrap()).unwrap();
+                        buffer = Some(pending.wait().unwrap());
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
             let got = buffer.as_ref().unwrap().to_data([n], DType::F32).unwrap();
             assert_eq!(got.to_vec::<f32>().unwrap()[n - 1], ((n - 1) % 977) as f32);
             session.close();
@@ -284,6 +307,37 @@ mod gpu {
                 }
                 record("publish", total, iters);
                 total
+            })
+        });
+        // The frontier of a value that is already finished, as the host observes it, against
+        // the floor of any host-observed cubecl fence: cubecl's own `sync` of an idle stream
+        // (one round trip to its server, one fence recorded and waited for). cubecl 0.10 keeps
+        // its CUDA streams private, so a copy on another stream can be ordered after a cubecl
+        // stream only through such a fence, observed on the host.
+        group.bench_function("frontier", |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    publish(&mut session, value.clone())
+                        .await_frontier()
+                        .unwrap();
+                }
+                let t = start.elapsed();
+                record("frontier", t, iters);
+                t
+            })
+        });
+        // SAFETY: only the handle's cubecl client is used, to synchronise.
+        let cubecl = unsafe { value.handle() }.unwrap().client;
+        group.bench_function("cubecl_sync", |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    cubecl::future::block_on(cubecl.sync()).unwrap();
+                }
+                let t = start.elapsed();
+                record("cubecl_sync", t, iters);
+                t
             })
         });
         let mut p = publish(&mut session, value.clone());
@@ -439,6 +493,7 @@ mod gpu {
             let line: Vec<String> = [
                 "download_into",
                 "publish_download",
+                "publish_await_download",
                 "into_data",
                 "read_one",
                 "pageable",
@@ -448,7 +503,11 @@ mod gpu {
             .map(|p| format!("{p} {:.3} GB/s", gbs(p).unwrap_or(f64::NAN)))
             .collect();
             println!("  {size:>6}: {}", line.join("   "));
-            for path in ["download_into", "publish_download"] {
+            for path in [
+                "download_into",
+                "publish_download",
+                "publish_await_download",
+            ] {
                 for base in ["raw", "into_data", "read_one"] {
                     if let (Some(ours), Some(theirs)) = (gbs(path), gbs(base)) {
                         println!("ratio {path}_vs_{base}_{size}: {:.3}", ours / theirs);
@@ -461,6 +520,13 @@ mod gpu {
                 "publish: {:.2} us   frontier_ready: {:.3} us",
                 p * 1e6,
                 f * 1e6
+            );
+        }
+        if let (Some(f), Some(s)) = (median("frontier"), median("cubecl_sync")) {
+            println!(
+                "frontier of a finished value: {:.2} us   cubecl sync of an idle stream: {:.2} us",
+                f * 1e6,
+                s * 1e6
             );
         }
         if let (Some(s), Some(p)) = (median("overlap/serial"), median("overlap/pipelined")) {

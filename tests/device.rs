@@ -265,8 +265,9 @@ mod transfer {
         let n = 4096;
         let (a, b) = (ints(n * n, 3), ints(n * n, 6));
         let (ta, tb) = (matrix(&c, a.clone(), n, n), matrix(&c, b.clone(), n, n));
-        // Warm the matmul up (its autotune runs once), so the measured producer is the kernel.
-        let _ = ta.matmul(&tb).unwrap().read().unwrap();
+        // Warm the fused matmul + scale up (its autotune runs once), so that the producer
+        // `publish` drains is the kernel alone.
+        let _ = ta.matmul(&tb).unwrap().scale(1.0).unwrap().read().unwrap();
         let product = ta.matmul(&tb).unwrap().scale(1.0).unwrap();
         let started = std::time::Instant::now();
         let mut p = publish(&mut session, product);
@@ -349,13 +350,19 @@ mod transfer {
         let mut session = HeldSession::open(&c).unwrap();
         let n = 8192;
         let x = c.fill([n, n], 1.0, burn_backend::DType::F32).unwrap();
-        let _ = x.matmul(&x).unwrap().read().unwrap(); // autotune once
-        // A producer of a few hundred milliseconds: a chain of 8192² matmuls.
-        let mut producer = x.matmul(&x).unwrap();
-        for _ in 0..8 {
-            producer = producer.scale(1.0 / n as f64).unwrap().matmul(&x).unwrap();
-        }
-        let mut p = publish(&mut session, producer);
+        // A producer of a few hundred milliseconds: a chain of 8192² matmuls. Run once to the
+        // end first, so that every kernel of it is compiled and autotuned, and known to work:
+        // the failure below can only be the trap's.
+        let chain = || {
+            let mut producer = x.matmul(&x).unwrap();
+            for _ in 0..8 {
+                producer = producer.scale(1.0 / n as f64).unwrap().matmul(&x).unwrap();
+            }
+            producer
+        };
+        let warm = chain().read().unwrap();
+        assert_eq!(warm.to_vec::<f32>().unwrap()[0], n as f32);
+        let mut p = publish(&mut session, chain());
         assert!(
             !p.frontier_ready().unwrap(),
             "the producer finished before the fault: make it longer"
@@ -383,7 +390,8 @@ mod transfer {
         drop(p);
         let s = c.context().retirement().stats();
         assert_eq!((s.permanent, s.pending), (1, 0));
-        println!("terminal path observed: {error}");
+        let message = error.to_string().replace('\n', " ");
+        println!("terminal path observed: {message}");
         // The context is lost: skip the teardown that would wait on it.
         std::process::exit(0);
     }

@@ -163,18 +163,45 @@ impl<B: IrBackend> BackendRuntime<B> {
     }
 
     /// The data of a handle (the backend's own read, awaited on this thread).
-    pub(crate) fn into_data_future(
-        handle: B::Handle,
-        shape: Shape,
-        dtype: DType,
-    ) -> std::pin::Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>> {
+    pub(crate) fn into_data_future(handle: B::Handle, shape: Shape, dtype: DType) -> DataFuture {
         let t = Self::tensor_handle(handle, shape);
-        match Kind::of(dtype) {
-            Kind::Float => Box::pin(B::float_into_data(B::float_tensor(t))),
-            Kind::Int => Box::pin(B::int_into_data(B::int_tensor(t))),
-            Kind::Bool => Box::pin(B::bool_into_data(B::bool_tensor(t))),
-            Kind::Quantized => Box::pin(B::q_into_data(B::quantized_tensor(t))),
+        // A backend whose device thread died panics on the caller's thread (cubecl 0.10 unwraps
+        // its server's reply), when the read is asked for or when it is awaited: contained, as
+        // the read's error.
+        let future = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> DataFuture {
+            match Kind::of(dtype) {
+                Kind::Float => Box::pin(B::float_into_data(B::float_tensor(t))),
+                Kind::Int => Box::pin(B::int_into_data(B::int_tensor(t))),
+                Kind::Bool => Box::pin(B::bool_into_data(B::bool_tensor(t))),
+                Kind::Quantized => Box::pin(B::q_into_data(B::quantized_tensor(t))),
+            }
+        }));
+        match future {
+            Ok(future) => Box::pin(Contained(future)),
+            Err(payload) => Box::pin(std::future::ready(Err(read_panicked(payload)))),
         }
+    }
+}
+
+/// A backend's data future, boxed.
+pub(crate) type DataFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>>;
+
+/// A read that panicked, as burn's error.
+fn read_panicked(payload: Box<dyn std::any::Any + Send>) -> ExecutionError {
+    to_execution_error(Error::from_kernel_panic("read", payload))
+}
+
+/// A data future whose panics are its error.
+struct Contained(DataFuture);
+
+impl Future for Contained {
+    type Output = Result<TensorData, ExecutionError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let future = &mut self.0;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx)))
+            .unwrap_or_else(|payload| Poll::Ready(Err(read_panicked(payload))))
     }
 }
 
@@ -262,7 +289,10 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
     }
 
     fn synchronize(ctx: &BackendContext<B>) -> Result<()> {
-        B::sync(&ctx.device).map_err(|e| execution_error("sync", e))?;
+        // As a read: a backend whose device thread died panics here; contained.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| B::sync(&ctx.device)))
+            .map_err(|payload| Error::from_kernel_panic("sync", payload))?
+            .map_err(|e| execution_error("sync", e))?;
         for fence in ctx.transfers.fences() {
             fence.wait()?;
         }
