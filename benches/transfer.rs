@@ -8,7 +8,10 @@
 //!   caller awaiting the frontier before it downloads), burn's own `into_data`
 //!   (what a burn user would call instead), cubecl's `read_one`, a pageable `cuMemcpyDtoH`, and a
 //!   raw `cuMemcpyDtoHAsync` + event into `cuMemHostAlloc` memory (the practical limit), side by
-//!   side in one run. Prints GB/s and `ratio <path>_vs_{raw,into_data,read_one}_<size>`.
+//!   side in one run; beside them the two floors of any copy into the caller's page-locked
+//!   memory on cubecl 0.10 (`sync_raw`: cubecl's `sync`, then the raw copy on another stream;
+//!   `read_copy`: cubecl's `read_one` into its staging memory, then a host `memcpy`). Prints
+//!   GB/s and `ratio <path>_vs_{raw,into_data,read_one,sync_raw,read_copy}_<size>`.
 //! * `transfer_overlap`: K rounds of produce → publish → download, pipelined (the next producer
 //!   runs while the previous copy does) against the same work done serially; the producer is
 //!   sized so that its compute time is about the copy time. Prints `ratio overlap_vs_serial`.
@@ -189,6 +192,63 @@ mod gpu {
             assert_eq!(got.to_vec::<f32>().unwrap()[n - 1], ((n - 1) % 977) as f32);
             session.close();
 
+            // The raw baseline: async copy + event into page-locked memory, own stream.
+            // SAFETY: plain driver calls on handles created here and freed below.
+            let (stream, host, event) = unsafe {
+                let stream =
+                    result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
+                let mut host: *mut c_void = std::ptr::null_mut();
+                sys::cuMemHostAlloc(&mut host, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
+                    .result()
+                    .unwrap();
+                let event =
+                    result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
+                (stream, host, event)
+            };
+
+            // The two floors of a copy into the caller's page-locked memory on cubecl 0.10,
+            // for a value whose producer may still run. cubecl keeps its streams private, so a
+            // copy either runs on another stream after a cubecl fence the host has observed
+            // (`sync_raw`: cubecl's `sync`, then the raw copy), or runs on cubecl's stream into
+            // cubecl's own staging memory and is then copied on the host (`read_copy`:
+            // cubecl's `read_one`, then a `memcpy` into the page-locked buffer).
+            let name = format!("sync_raw/{size}");
+            group.bench_function(BenchmarkId::new("sync_raw", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        cubecl::future::block_on(cubecl.sync()).unwrap();
+                        // SAFETY: as for `raw` below.
+                        unsafe {
+                            sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
+                                .result()
+                                .unwrap();
+                            result::event::record(event, stream).unwrap();
+                            result::event::synchronize(event).unwrap();
+                        }
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+            let name = format!("read_copy/{size}");
+            group.bench_function(BenchmarkId::new("read_copy", &size), |b| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let staged = cubecl.read_one(cubecl_handle.clone()).unwrap();
+                        // SAFETY: `host` has `bytes` bytes and no copy into it is in flight.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(staged.as_ptr(), host as *mut u8, bytes)
+                        };
+                    }
+                    let t = start.elapsed();
+                    record(&name, t, iters);
+                    t
+                })
+            });
+
             // burn's own read, what a burn user would call instead.
             let name = format!("into_data/{size}");
             group.bench_function(BenchmarkId::new("into_data", &size), |b| {
@@ -247,20 +307,7 @@ mod gpu {
                 })
             });
 
-            // The raw baseline: async copy + event into page-locked memory, own stream.
             let name = format!("raw/{size}");
-            // SAFETY: plain driver calls on handles created here and freed below.
-            let (stream, host, event) = unsafe {
-                let stream =
-                    result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
-                let mut host: *mut c_void = std::ptr::null_mut();
-                sys::cuMemHostAlloc(&mut host, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
-                    .result()
-                    .unwrap();
-                let event =
-                    result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
-                (stream, host, event)
-            };
             group.bench_function(BenchmarkId::new("raw", &size), |b| {
                 b.iter_custom(|iters| {
                     let start = Instant::now();
@@ -498,6 +545,8 @@ mod gpu {
                 "read_one",
                 "pageable",
                 "raw",
+                "sync_raw",
+                "read_copy",
             ]
             .iter()
             .map(|p| format!("{p} {:.3} GB/s", gbs(p).unwrap_or(f64::NAN)))
@@ -508,7 +557,7 @@ mod gpu {
                 "publish_download",
                 "publish_await_download",
             ] {
-                for base in ["raw", "into_data", "read_one"] {
+                for base in ["raw", "into_data", "read_one", "sync_raw", "read_copy"] {
                     if let (Some(ours), Some(theirs)) = (gbs(path), gbs(base)) {
                         println!("ratio {path}_vs_{base}_{size}: {:.3}", ours / theirs);
                     }
