@@ -2,7 +2,7 @@
 //! owner is handed back or retained (never silently leaked, never freed twice), and the engine
 //! keeps working for unrelated tensors and streams afterwards — checked by [`Bystanders`], which
 //! holds tensors made *before* the fault on this thread and on another one, and by the final
-//! leak check. The README's "faults survived" table lists these tests.
+//! leak check. docs/EVIDENCE.md's "Faults survived" table lists these tests.
 
 mod common;
 

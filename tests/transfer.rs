@@ -1,5 +1,5 @@
-//! Source publication on the host runtime: the evidence plan of the source-publication record
-//! (§4), row by row, plus the fault-injected terminal path and the refusals.
+//! Source publication on the host runtime, one test per property a publication promises (each
+//! test's doc names it), plus the fault-injected terminal path and the refusals.
 
 mod common;
 
@@ -32,7 +32,7 @@ fn retirement(context: &HostContext) -> fusion_streams::runtime::RetirementStats
     context.retirement().stats()
 }
 
-/// §4 "Publication survives its session": produce in a held session, publish, close, download:
+/// "Publication survives its session": produce in a held session, publish, close, download:
 /// the exact bytes come back.
 #[test]
 fn publication_survives_session_close() {
@@ -46,7 +46,7 @@ fn publication_survives_session_close() {
     assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
 }
 
-/// §4 "Producer frontier": publish right after a deliberately large producer — the frontier is
+/// "Producer frontier": publish right after a deliberately large producer — the frontier is
 /// not ready; `await_frontier` then succeeds and the copy is exact.
 #[test]
 #[cfg_attr(
@@ -93,7 +93,7 @@ fn frontier_stays_pending_while_the_stream_is_held() {
     assert_eq!(got, vec![1f32.exp(), 2f32.exp()]);
 }
 
-/// §4 "Retention without the source handles": with the client, the session and every tensor
+/// "Retention without the source handles": with the client, the session and every tensor
 /// gone, only the publication holds the runtime pin and the allocation; consuming it gives the
 /// exact bytes, and the runtime is torn down once the download goes.
 #[test]
@@ -119,7 +119,7 @@ fn publication_retains_allocation_and_runtime_without_any_source_handle() {
     );
 }
 
-/// §4 "Lifecycle": dropping a publication with its frontier in flight detaches it into the
+/// "Lifecycle": dropping a publication with its frontier in flight detaches it into the
 /// retirement queue without waiting, and `synchronize` releases it.
 #[test]
 fn dropping_a_publication_in_flight_retires_it_and_synchronize_releases_it() {
@@ -163,7 +163,7 @@ fn dropping_a_download_in_flight_retires_it() {
     );
 }
 
-/// §4 "Lifecycle": `mem::forget` leaks the record in place — allocation and runtime pin.
+/// "Lifecycle": `mem::forget` leaks the record in place — allocation and runtime pin.
 #[test]
 fn forgetting_a_publication_leaks_it_in_place() {
     let c = client();
@@ -189,7 +189,7 @@ fn forgetting_a_publication_leaks_it_in_place() {
     );
 }
 
-/// §4 "Lifecycle": a rejected publication returns the value — for a value of another client, and
+/// "Lifecycle": a rejected publication returns the value — for a value of another client, and
 /// for a producer whose failure is already known at the dispatch boundary.
 #[test]
 fn a_rejected_publication_returns_the_value() {
@@ -225,7 +225,7 @@ fn a_rejected_publication_returns_the_value() {
     assert_eq!(rejected.value.read().unwrap_err(), rejected.reason);
 }
 
-/// §4 "No session in consumption": the download runs after the source session closed, with no
+/// "No session in consumption": the download runs after the source session closed, with no
 /// session open anywhere, and takes no session argument.
 #[test]
 fn download_needs_no_session() {
@@ -240,7 +240,7 @@ fn download_needs_no_session() {
     assert_eq!(buffer_f32s(&buffer), vec![2.5, 3.0]);
 }
 
-/// Beyond the seed: a kernel that fails *on the device* after `publish` makes `await_frontier`
+/// Beyond the evidence table: a kernel that fails *on the device* after `publish` makes `await_frontier`
 /// fail; the publication is terminal, `frontier_ready` reports the error, a further await
 /// refuses, `download_into` refuses with both owners back, and dropping the publication moves
 /// its record to the permanent-retention side.

@@ -83,7 +83,7 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 /// used.
 ///
 /// The reduce fusers are opt-in until burn 0.21's backend suite has run in full on the H200 with
-/// them on (see the README, "Reduce fusion (opt-in)"); on the benchmark's softmax they gain
+/// them on (see docs/BENCHMARKS.md, "Reduce fusion (opt-in)"); on the benchmark's softmax they gain
 /// nothing measurable yet.
 pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 

@@ -206,8 +206,10 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 ///
 /// 1. **Materialise `src`.** If `src` has neither a handle nor an error record yet, its producer is
 ///    still queued on the source stream, so that stream is drained (its pending operations run,
-///    on the source stream, from this thread). `src` is then remembered in `shared_sources` so
-///    that later shares of it skip the drain.
+///    on the source stream, from this thread). `src` is then noted in `shared_sources` (the
+///    sources a share had to drain, reported by [`EngineStats::shared_sources`]). Later shares
+///    skip the drain because `src` now has a handle or an error record: that test alone decides,
+///    and the set is never read to decide it.
 /// 2. **Alias the handle under `dst`.** `dst` is registered on the current stream with a second
 ///    owner of the source's backend handle ([`StreamRuntime::alias`]). Both ids now point at the
 ///    same buffer; it lives until the last alias is freed. If `src` carries an error instead, the
@@ -233,8 +235,9 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 ///
 /// An entry leaves `shared_sources` the moment the last live tensor of its id goes away —
 /// dropped on the home thread, dropped on a foreign thread, consumed by an operation (a
-/// `ReadWrite` use) or consumed by a read — without waiting for the free to run. No later share
-/// can name that id, so removing the entry can never cause a redundant drain.
+/// `ReadWrite` use) or consumed by a read — without waiting for the free to run. The set is
+/// bookkeeping (it counts in [`EngineStats::shared_sources`]); no drain decision reads it, so
+/// removing an entry can neither cause nor skip a drain.
 ///
 /// # The SSA invariant
 ///
@@ -541,9 +544,10 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// finds that the tensor's home stream is not the current stream. In short:
     ///
     /// * If `src`'s handle is not materialised yet, drain `src_home` so its producer runs. Skip
-    ///   the drain on later shares of the same source by remembering it in `shared_sources`, or
-    ///   by observing that the handle already exists (which covers a chained share, where `src`
-    ///   is itself a view).
+    ///   the drain on later shares of the same source, and on a chained share (where `src` is
+    ///   itself a view), by observing that the handle already exists
+    ///   (`StreamState::is_materialised`; a drained source is also noted in `shared_sources`,
+    ///   which no decision reads).
     /// * Then alias the handle under `dst` on the current stream: both ids share the buffer until
     ///   each side is freed.
     pub(crate) fn tag_shared_view(
