@@ -72,6 +72,26 @@ mod gpu {
         Some(v[v.len() / 2])
     }
 
+    /// Time `body` once per iteration as `name` in `group` (`<path>/<size>` for a transfer
+    /// path), and keep the per-iteration time for the ratios printed at the end.
+    fn timed(
+        group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+        mut body: impl FnMut(),
+    ) {
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    body();
+                }
+                let t = start.elapsed();
+                record(name, t, iters);
+                t
+            })
+        });
+    }
+
     fn publish(session: &mut Session, value: Tensor) -> SourcePublication<Runtime> {
         // SAFETY: the value is produced on the session's stream by this crate's operations.
         unsafe { session.publish(value) }.expect("admitted")
@@ -155,39 +175,25 @@ mod gpu {
                 })
             });
             // End to end: publish + download_into + wait, the frontier recorded each time.
-            let name = format!("publish_download/{size}");
-            group.bench_function(BenchmarkId::new("publish_download", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let p = publish(&mut session, value.clone());
-                        let pending = p.download_into(buffer.take().unwrap()).unwrap();
-                        buffer = Some(pending.wait().unwrap());
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("publish_download/{size}"), || {
+                let p = publish(&mut session, value.clone());
+                let pending = p.download_into(buffer.take().unwrap()).unwrap();
+                buffer = Some(pending.wait().unwrap());
             });
             // The same, split where the two routes part: the caller awaits the frontier, then
             // downloads by the direct route. Against `publish_download` (whose download is asked
             // for while the frontier is pending, and goes through the stream's waiter), this
             // shows what the waiter's hop costs.
-            let name = format!("publish_await_download/{size}");
-            group.bench_function(BenchmarkId::new("publish_await_download", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let mut p = publish(&mut session, value.clone());
-                        p.await_frontier().unwrap();
-                        let pending = p.download_into(buffer.take().unwrap()).unwrap();
-                        buffer = Some(pending.wait().unwrap());
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
-            });
+            timed(
+                &mut group,
+                &format!("publish_await_download/{size}"),
+                || {
+                    let mut p = publish(&mut session, value.clone());
+                    p.await_frontier().unwrap();
+                    let pending = p.download_into(buffer.take().unwrap()).unwrap();
+                    buffer = Some(pending.wait().unwrap());
+                },
+            );
             let got = buffer.as_ref().unwrap().to_data([n], DType::F32).unwrap();
             assert_eq!(got.to_vec::<f32>().unwrap()[n - 1], ((n - 1) % 977) as f32);
             session.close();
@@ -212,119 +218,58 @@ mod gpu {
             // (`sync_raw`: cubecl's `sync`, then the raw copy), or runs on cubecl's stream into
             // cubecl's own staging memory and is then copied on the host (`read_copy`:
             // cubecl's `read_one`, then a `memcpy` into the page-locked buffer).
-            let name = format!("sync_raw/{size}");
-            group.bench_function(BenchmarkId::new("sync_raw", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        cubecl::future::block_on(cubecl.sync()).unwrap();
-                        // SAFETY: as for `raw` below.
-                        unsafe {
-                            sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
-                                .result()
-                                .unwrap();
-                            result::event::record(event, stream).unwrap();
-                            result::event::synchronize(event).unwrap();
-                        }
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("sync_raw/{size}"), || {
+                cubecl::future::block_on(cubecl.sync()).unwrap();
+                // SAFETY: as for `raw` below.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
+                        .result()
+                        .unwrap();
+                    result::event::record(event, stream).unwrap();
+                    result::event::synchronize(event).unwrap();
+                }
             });
-            let name = format!("read_copy/{size}");
-            group.bench_function(BenchmarkId::new("read_copy", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let staged = cubecl.read_one(cubecl_handle.clone()).unwrap();
-                        // SAFETY: `host` has `bytes` bytes and no copy into it is in flight.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(staged.as_ptr(), host as *mut u8, bytes)
-                        };
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("read_copy/{size}"), || {
+                let staged = cubecl.read_one(cubecl_handle.clone()).unwrap();
+                // SAFETY: `host` has `bytes` bytes and no copy into it is in flight.
+                unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), host as *mut u8, bytes) };
             });
 
             // burn's own read, what a burn user would call instead.
-            let name = format!("into_data/{size}");
-            group.bench_function(BenchmarkId::new("into_data", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let data = burn_backend::read_sync(StreamFusion::<Cube>::float_into_data(
-                            value.clone(),
-                        ))
+            timed(&mut group, &format!("into_data/{size}"), || {
+                let data =
+                    burn_backend::read_sync(StreamFusion::<Cube>::float_into_data(value.clone()))
                         .unwrap();
-                        std::hint::black_box(data);
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+                std::hint::black_box(data);
             });
 
             // cubecl's own read.
-            let name = format!("read_one/{size}");
-            group.bench_function(BenchmarkId::new("read_one", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let bytes = cubecl.read_one(cubecl_handle.clone()).unwrap();
-                        std::hint::black_box(bytes);
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("read_one/{size}"), || {
+                let bytes = cubecl.read_one(cubecl_handle.clone()).unwrap();
+                std::hint::black_box(bytes);
             });
 
             // A pageable, synchronous copy into a Vec.
             let mut pageable = vec![0u8; bytes];
-            let name = format!("pageable/{size}");
-            group.bench_function(BenchmarkId::new("pageable", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        // SAFETY: `device_ptr` is live (held by `resource`), `pageable` has
-                        // `bytes` bytes.
-                        unsafe {
-                            sys::cuMemcpyDtoH_v2(
-                                pageable.as_mut_ptr() as *mut c_void,
-                                device_ptr,
-                                bytes,
-                            )
-                        }
-                        .result()
-                        .unwrap();
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("pageable/{size}"), || {
+                // SAFETY: `device_ptr` is live (held by `resource`), `pageable` has
+                // `bytes` bytes.
+                unsafe {
+                    sys::cuMemcpyDtoH_v2(pageable.as_mut_ptr() as *mut c_void, device_ptr, bytes)
+                }
+                .result()
+                .unwrap();
             });
 
-            let name = format!("raw/{size}");
-            group.bench_function(BenchmarkId::new("raw", &size), |b| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        // SAFETY: as above; the copy completes before the next one starts.
-                        unsafe {
-                            sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
-                                .result()
-                                .unwrap();
-                            result::event::record(event, stream).unwrap();
-                            result::event::synchronize(event).unwrap();
-                        }
-                    }
-                    let t = start.elapsed();
-                    record(&name, t, iters);
-                    t
-                })
+            timed(&mut group, &format!("raw/{size}"), || {
+                // SAFETY: as above; the copy completes before the next one starts.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
+                        .result()
+                        .unwrap();
+                    result::event::record(event, stream).unwrap();
+                    result::event::synchronize(event).unwrap();
+                }
             });
             // SAFETY: created above, no longer in use.
             unsafe {
@@ -361,44 +306,20 @@ mod gpu {
         // (one round trip to its server, one fence recorded and waited for). cubecl 0.10 keeps
         // its CUDA streams private, so a copy on another stream can be ordered after a cubecl
         // stream only through such a fence, observed on the host.
-        group.bench_function("frontier", |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    publish(&mut session, value.clone())
-                        .await_frontier()
-                        .unwrap();
-                }
-                let t = start.elapsed();
-                record("frontier", t, iters);
-                t
-            })
+        timed(&mut group, "frontier", || {
+            publish(&mut session, value.clone())
+                .await_frontier()
+                .unwrap();
         });
         // SAFETY: only the handle's cubecl client is used, to synchronise.
         let cubecl = unsafe { value.handle() }.unwrap().client;
-        group.bench_function("cubecl_sync", |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    cubecl::future::block_on(cubecl.sync()).unwrap();
-                }
-                let t = start.elapsed();
-                record("cubecl_sync", t, iters);
-                t
-            })
+        timed(&mut group, "cubecl_sync", || {
+            cubecl::future::block_on(cubecl.sync()).unwrap();
         });
         let mut p = publish(&mut session, value.clone());
         p.await_frontier().unwrap();
-        group.bench_function("frontier_ready", |b| {
-            b.iter_custom(|iters| {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    assert!(p.frontier_ready().unwrap());
-                }
-                let t = start.elapsed();
-                record("frontier_ready", t, iters);
-                t
-            })
+        timed(&mut group, "frontier_ready", || {
+            assert!(p.frontier_ready().unwrap());
         });
         group.finish();
     }
