@@ -211,6 +211,17 @@ mod gpu {
                     result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).unwrap();
                 (stream, host, event)
             };
+            let raw_copy = || {
+                // SAFETY: `device_ptr` is live (held by `resource`), `host` has `bytes` bytes,
+                // and each copy completes before the next one starts.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
+                        .result()
+                        .unwrap();
+                    result::event::record(event, stream).unwrap();
+                    result::event::synchronize(event).unwrap();
+                }
+            };
 
             // The two floors of a copy into the caller's page-locked memory on cubecl 0.10,
             // for a value whose producer may still run. cubecl keeps its streams private, so a
@@ -220,14 +231,7 @@ mod gpu {
             // cubecl's `read_one`, then a `memcpy` into the page-locked buffer).
             timed(&mut group, &format!("sync_raw/{size}"), || {
                 cubecl::future::block_on(cubecl.sync()).unwrap();
-                // SAFETY: as for `raw` below.
-                unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
-                        .result()
-                        .unwrap();
-                    result::event::record(event, stream).unwrap();
-                    result::event::synchronize(event).unwrap();
-                }
+                raw_copy();
             });
             timed(&mut group, &format!("read_copy/{size}"), || {
                 let staged = cubecl.read_one(cubecl_handle.clone()).unwrap();
@@ -261,16 +265,7 @@ mod gpu {
                 .unwrap();
             });
 
-            timed(&mut group, &format!("raw/{size}"), || {
-                // SAFETY: as above; the copy completes before the next one starts.
-                unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(host, device_ptr, bytes, stream)
-                        .result()
-                        .unwrap();
-                    result::event::record(event, stream).unwrap();
-                    result::event::synchronize(event).unwrap();
-                }
-            });
+            timed(&mut group, &format!("raw/{size}"), raw_copy);
             // SAFETY: created above, no longer in use.
             unsafe {
                 let _ = result::event::destroy(event);
