@@ -89,27 +89,27 @@ pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 
 /// The fusers, in the order that breaks a tie between two that cover the same run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
+enum FuserKind {
     Elementwise,
     Matmul,
     Reduce,
     ReduceBroadcasted,
 }
 
-impl Kind {
-    const ALL: [Kind; 4] = [
-        Kind::Elementwise,
-        Kind::Matmul,
-        Kind::Reduce,
-        Kind::ReduceBroadcasted,
+impl FuserKind {
+    const ALL: [FuserKind; 4] = [
+        FuserKind::Elementwise,
+        FuserKind::Matmul,
+        FuserKind::Reduce,
+        FuserKind::ReduceBroadcasted,
     ];
 
     fn name(self) -> &'static str {
         match self {
-            Kind::Elementwise => "elementwise",
-            Kind::Matmul => "matmul",
-            Kind::Reduce => "reduce",
-            Kind::ReduceBroadcasted => "reduce_broadcasted",
+            FuserKind::Elementwise => "elementwise",
+            FuserKind::Matmul => "matmul",
+            FuserKind::Reduce => "reduce",
+            FuserKind::ReduceBroadcasted => "reduce_broadcasted",
         }
     }
 
@@ -118,7 +118,7 @@ impl Kind {
     }
 }
 
-/// A set of [`Kind`]s, one bit each.
+/// A set of [`FuserKind`]s, one bit each.
 type Kinds = u8;
 
 const DEFAULT_KINDS: Kinds = 0b0011;
@@ -132,9 +132,9 @@ fn parse_kinds(spec: &str) -> std::result::Result<Kinds, String> {
         .filter(|name| !name.is_empty())
     {
         kinds |= match name {
-            "all" => Kind::ALL.iter().map(|kind| kind.bit()).sum(),
+            "all" => FuserKind::ALL.iter().map(|kind| kind.bit()).sum(),
             "none" => 0,
-            name => match Kind::ALL.iter().find(|kind| kind.name() == name) {
+            name => match FuserKind::ALL.iter().find(|kind| kind.name() == name) {
                 Some(kind) => kind.bit(),
                 None => {
                     return Err(format!(
@@ -194,15 +194,19 @@ pub fn cube_fuser_with<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     )))
 }
 
-/// burn-cubecl-fusion's fusers of `kinds`, as built, in [`Kind`] order.
+/// burn-cubecl-fusion's fusers of `kinds`, as built, in [`FuserKind`] order.
 fn fusers<R: CubeRuntime>(device: &R::Device, kinds: Kinds) -> [Option<DynFuser<R>>; 4] {
-    Kind::ALL.map(|kind| {
+    FuserKind::ALL.map(|kind| {
         (kinds & kind.bit() != 0).then(|| -> DynFuser<R> {
             match kind {
-                Kind::Elementwise => Box::new(ElementWiseFuser::new(device.clone())),
-                Kind::Matmul => Box::new(MatmulFuser::new(device.clone())),
-                Kind::Reduce => Box::new(ReduceFuser::new(device.clone(), ReduceSettings::Always)),
-                Kind::ReduceBroadcasted => Box::new(ReduceBroadcastedFuser::new(device.clone())),
+                FuserKind::Elementwise => Box::new(ElementWiseFuser::new(device.clone())),
+                FuserKind::Matmul => Box::new(MatmulFuser::new(device.clone())),
+                FuserKind::Reduce => {
+                    Box::new(ReduceFuser::new(device.clone(), ReduceSettings::Always))
+                }
+                FuserKind::ReduceBroadcasted => {
+                    Box::new(ReduceBroadcastedFuser::new(device.clone()))
+                }
             }
         })
     })
@@ -226,7 +230,7 @@ struct Node<R: CubeRuntime> {
     alive: Kinds,
     ready: Kinds,
     next: HashMap<Key, usize>,
-    optimizations: SmallVec<[(Kind, CubeOptimization<R>); 1]>,
+    optimizations: SmallVec<[(FuserKind, CubeOptimization<R>); 1]>,
 }
 
 impl<R: CubeRuntime> Node<R> {
@@ -265,13 +269,13 @@ struct CubeFuser<R: CubeRuntime, B> {
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
     fn new(pristine: [Option<DynFuser<R>>; 4]) -> Self {
-        let enabled = Kind::ALL
+        let enabled = FuserKind::ALL
             .iter()
             .filter(|kind| pristine[**kind as usize].is_some())
             .map(|kind| kind.bit())
             .sum();
-        let reductions = pristine[Kind::Reduce as usize].is_some()
-            || pristine[Kind::ReduceBroadcasted as usize].is_some();
+        let reductions = pristine[FuserKind::Reduce as usize].is_some()
+            || pristine[FuserKind::ReduceBroadcasted as usize].is_some();
         Self {
             pristine,
             working: Default::default(),
@@ -287,7 +291,11 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
 
     /// Fuser `kind`, fed exactly the first `depth` accepted operations of the run: fed forward
     /// if it lags, or a fresh clone fed from the start.
-    fn fed(&mut self, kind: Kind, depth: usize) -> &mut dyn OperationFuser<CubeOptimization<R>> {
+    fn fed(
+        &mut self,
+        kind: FuserKind,
+        depth: usize,
+    ) -> &mut dyn OperationFuser<CubeOptimization<R>> {
         let (working, fed) = &mut self.working[kind as usize];
         let from = match (*fed, working.as_ref()) {
             (Some(fed), Some(_)) if fed <= depth => fed,
@@ -306,14 +314,14 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     }
 
     /// The run's kernel: the longest accepted prefix some fuser can build a kernel for, and
-    /// the first such fuser in [`Kind`] order.
-    fn chosen(&self) -> Option<(usize, Kind)> {
+    /// the first such fuser in [`FuserKind`] order.
+    fn chosen(&self) -> Option<(usize, FuserKind)> {
         let depth = self
             .path
             .iter()
             .rposition(|node| self.runs[*node].ready != 0)?;
         let ready = self.runs[self.path[depth]].ready;
-        Kind::ALL
+        FuserKind::ALL
             .into_iter()
             .find(|kind| ready & kind.bit() != 0)
             .map(|kind| (depth, kind))
@@ -323,11 +331,11 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     /// ending at node `at`: the node of the longer prefix.
     fn decide(&mut self, at: usize, depth: usize, op: &OperationIr) -> Node<R> {
         let mut node = Node::new(0);
-        for kind in Kind::ALL {
+        for kind in FuserKind::ALL {
             if self.runs[at].alive & kind.bit() == 0 {
                 continue;
             }
-            if kind == Kind::Matmul && !one_input_width(&self.offered_relative[..depth], op) {
+            if kind == FuserKind::Matmul && !one_input_width(&self.offered_relative[..depth], op) {
                 // Never offered: the run ends here for the matmul fuser (see `one_input_width`).
                 continue;
             }
@@ -340,12 +348,12 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             let open = !matches!(fuser.status(), FuserStatus::Closed);
             // The matmul fuser counts its matmul before it takes it; it takes it unless it
             // closes.
-            let took = fuser.len() > before || (depth == 0 && kind == Kind::Matmul && open);
+            let took = fuser.len() > before || (depth == 0 && kind == FuserKind::Matmul && open);
             let ready = took
                 && match kind {
                     // Ready with one operation (the engine fuses two or more).
-                    Kind::Elementwise | Kind::Matmul => true,
-                    Kind::Reduce | Kind::ReduceBroadcasted => fuser.properties().ready,
+                    FuserKind::Elementwise | FuserKind::Matmul => true,
+                    FuserKind::Reduce | FuserKind::ReduceBroadcasted => fuser.properties().ready,
                 };
             self.working[kind as usize].1 = took.then_some(depth + 1);
             if took {
@@ -1209,12 +1217,12 @@ mod tests {
         assert_eq!(offer_all(&mut fuser, &program), 4);
         // The elementwise fuser closed at the reduction; the reduce fuser covers all four.
         assert_eq!(covered(&fuser), 4);
-        assert_eq!(fuser.chosen(), Some((4, Kind::Reduce)));
+        assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
 
         // Without the reduction, the reduce fuser is never ready: the elementwise one runs.
         reset(&mut fuser);
         assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
-        assert_eq!(fuser.chosen(), Some((2, Kind::Elementwise)));
+        assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
     }
 
     #[test]
@@ -1222,7 +1230,7 @@ mod tests {
         let both = Stand::new(elementwise, elementwise);
         let mut fuser = fuser([Some(both.clone()), None, Some(both), None]);
         assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
-        assert_eq!(fuser.chosen(), Some((2, Kind::Elementwise)));
+        assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
     }
 
     #[test]
@@ -1238,7 +1246,7 @@ mod tests {
         ]);
         let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4), sum(4, 5)];
         assert_eq!(offer_all(&mut fuser, &program), 3);
-        assert_eq!(fuser.chosen(), Some((3, Kind::Elementwise)));
+        assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
         // The refused reduction's conversion was taken back.
         assert_eq!(fuser.relative.marks.len(), 3);
     }
@@ -1293,22 +1301,25 @@ mod tests {
             offer_all(&mut matmul, &[add(0, 1, 2), mask_fill(2, 3, 4)]),
             1
         );
-        assert_eq!(matmul.chosen(), Some((1, Kind::Matmul)));
+        assert_eq!(matmul.chosen(), Some((1, FuserKind::Matmul)));
 
         // Made inside the run (`relu`'s mask), it is never read from memory: taken.
         let mut relu = fuser([None, takes_all(), None, None]);
         let program = [add(0, 1, 2), non_positive(2, 3), mask_fill(2, 3, 4)];
         assert_eq!(offer_all(&mut relu, &program), 3);
-        assert_eq!(relu.chosen(), Some((3, Kind::Matmul)));
+        assert_eq!(relu.chosen(), Some((3, FuserKind::Matmul)));
 
         // The elementwise fuser takes it: the run goes on without the matmul fuser.
         let mut both = fuser([takes_all(), takes_all(), None, None]);
         let program = [add(0, 1, 2), mask_fill(2, 3, 4), add(4, 1, 5)];
         assert_eq!(offer_all(&mut both, &program), 3);
-        assert_eq!(both.chosen(), Some((3, Kind::Elementwise)));
+        assert_eq!(both.chosen(), Some((3, FuserKind::Elementwise)));
         let alive = |depth: usize| both.runs[both.path[depth]].alive;
-        assert_eq!(alive(1), Kind::Elementwise.bit() | Kind::Matmul.bit());
-        assert_eq!(alive(2), Kind::Elementwise.bit());
+        assert_eq!(
+            alive(1),
+            FuserKind::Elementwise.bit() | FuserKind::Matmul.bit()
+        );
+        assert_eq!(alive(2), FuserKind::Elementwise.bit());
     }
 
     #[test]
@@ -1325,7 +1336,7 @@ mod tests {
         let again = [add(10, 11, 12), add(12, 11, 13), add(13, 11, 14)];
         assert_eq!(offer_all(&mut fuser, &again), 3);
         assert_eq!(fed.load(Ordering::Relaxed), first);
-        assert_eq!(fuser.chosen(), Some((3, Kind::Elementwise)));
+        assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
     }
 
     #[test]
@@ -1343,13 +1354,13 @@ mod tests {
             3
         );
         assert_eq!(clones.load(Ordering::Relaxed), 2);
-        assert_eq!(fuser.chosen(), Some((3, Kind::Reduce)));
+        assert_eq!(fuser.chosen(), Some((3, FuserKind::Reduce)));
         // A known prefix, then a new operation: a clone fed the known prefix takes it.
         reset(&mut fuser);
         let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(5, 1, 6)];
         assert_eq!(offer_all(&mut fuser, &program), 4);
         assert_eq!(clones.load(Ordering::Relaxed), 3);
-        assert_eq!(fuser.chosen(), Some((4, Kind::Reduce)));
+        assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
     }
 
     #[test]
@@ -1397,7 +1408,7 @@ mod tests {
         assert_eq!(parse_kinds("all"), Ok(0b1111));
         assert_eq!(
             parse_kinds("reduce,reduce_broadcasted"),
-            Ok(Kind::Reduce.bit() | Kind::ReduceBroadcasted.bit())
+            Ok(FuserKind::Reduce.bit() | FuserKind::ReduceBroadcasted.bit())
         );
         let error = parse_kinds("elementwise,softmax").unwrap_err();
         assert!(error.contains("unknown fuser `softmax`"), "{error}");

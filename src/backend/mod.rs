@@ -42,14 +42,14 @@ mod cube;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod float;
-mod fusion;
+mod fuser_registry;
 mod int;
 pub(crate) mod macros;
 mod module;
+mod publication_routes;
 mod qtensor;
 pub(crate) mod record;
 mod runtime;
-mod transfer;
 
 use std::any::{Any, TypeId};
 use std::fmt;
@@ -69,10 +69,10 @@ use parking_lot::Mutex;
 
 #[cfg(feature = "cuda")]
 pub use cube::{CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
-pub use fusion::register_fuser;
+pub use fuser_registry::register_fuser;
+pub use publication_routes::{BackendEvent, BackendSource};
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};
-pub use transfer::{BackendEvent, BackendSource};
 
 /// Test hook (features `cuda` and `testing`): the next DMA copy of a download fails right after
 /// it was enqueued, as a failing `cuEventRecord` would. For this crate's own tests.
@@ -97,7 +97,7 @@ pub type Session<B> = HeldSession<BackendRuntime<B>>;
 pub type Publication<B> = crate::transfer::SourcePublication<BackendRuntime<B>>;
 /// A [`Publication`]'s copy into a [`PinnedHostBuffer`], in flight.
 pub type Download<B> = crate::transfer::PendingDownload<BackendRuntime<B>>;
-use runtime::{Kind, to_execution_error};
+use runtime::{TensorKind, to_execution_error};
 
 use crate::runtime::TransferRuntime;
 use crate::stream::Entry;
@@ -245,15 +245,17 @@ impl<B: IrBackend> StreamFusion<B> {
                     handle,
                     shape: shape.clone(),
                 };
-                Entry::Handle(match Kind::of(dtype) {
-                    Kind::Float => {
+                Entry::Handle(match TensorKind::of(dtype) {
+                    TensorKind::Float => {
                         B::float_tensor_handle(B::float_to_device(B::float_tensor(t), device))
                     }
-                    Kind::Int => B::int_tensor_handle(B::int_to_device(B::int_tensor(t), device)),
-                    Kind::Bool => {
+                    TensorKind::Int => {
+                        B::int_tensor_handle(B::int_to_device(B::int_tensor(t), device))
+                    }
+                    TensorKind::Bool => {
                         B::bool_tensor_handle(B::bool_to_device(B::bool_tensor(t), device))
                     }
-                    Kind::Quantized => {
+                    TensorKind::Quantized => {
                         B::quantized_tensor_handle(B::q_to_device(B::quantized_tensor(t), device))
                     }
                 })

@@ -19,7 +19,7 @@ use burn_ir::{TensorHandle, TensorIr};
 
 use super::IrBackend;
 use super::cross_stream::{StreamRules, rules_for};
-use super::transfer::RETIREMENT_CAPACITY;
+use super::publication_routes::RETIREMENT_CAPACITY;
 
 use crate::host::Unfused;
 use crate::runtime::host::worker::Workers;
@@ -85,20 +85,20 @@ impl<B: IrBackend> fmt::Debug for BackendContext<B> {
 
 /// How a tensor of `dtype` is held by a burn backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum TensorKind {
     Float,
     Int,
     Bool,
     Quantized,
 }
 
-impl Kind {
+impl TensorKind {
     pub(crate) fn of(dtype: DType) -> Self {
         match dtype {
-            DType::QFloat(_) => Kind::Quantized,
-            DType::Bool(_) => Kind::Bool,
-            d if d.is_float() => Kind::Float,
-            _ => Kind::Int,
+            DType::QFloat(_) => TensorKind::Quantized,
+            DType::Bool(_) => TensorKind::Bool,
+            d if d.is_float() => TensorKind::Float,
+            _ => TensorKind::Int,
         }
     }
 }
@@ -169,11 +169,11 @@ impl<B: IrBackend> BackendRuntime<B> {
         // its server's reply), when the read is asked for or when it is awaited: contained, as
         // the read's error.
         let future = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> DataFuture {
-            match Kind::of(dtype) {
-                Kind::Float => Box::pin(B::float_into_data(B::float_tensor(t))),
-                Kind::Int => Box::pin(B::int_into_data(B::int_tensor(t))),
-                Kind::Bool => Box::pin(B::bool_into_data(B::bool_tensor(t))),
-                Kind::Quantized => Box::pin(B::q_into_data(B::quantized_tensor(t))),
+            match TensorKind::of(dtype) {
+                TensorKind::Float => Box::pin(B::float_into_data(B::float_tensor(t))),
+                TensorKind::Int => Box::pin(B::int_into_data(B::int_tensor(t))),
+                TensorKind::Bool => Box::pin(B::bool_into_data(B::bool_tensor(t))),
+                TensorKind::Quantized => Box::pin(B::q_into_data(B::quantized_tensor(t))),
             }
         }));
         match future {
@@ -228,11 +228,11 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         let device = &ctx.device;
         // The backend panics on data it cannot hold: contained, as a typed error.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            match Kind::of(data.dtype) {
-                Kind::Float => B::float_tensor_handle(B::float_from_data(data, device)),
-                Kind::Int => B::int_tensor_handle(B::int_from_data(data, device)),
-                Kind::Bool => B::bool_tensor_handle(B::bool_from_data(data, device)),
-                Kind::Quantized => B::quantized_tensor_handle(B::q_from_data(data, device)),
+            match TensorKind::of(data.dtype) {
+                TensorKind::Float => B::float_tensor_handle(B::float_from_data(data, device)),
+                TensorKind::Int => B::int_tensor_handle(B::int_from_data(data, device)),
+                TensorKind::Bool => B::bool_tensor_handle(B::bool_from_data(data, device)),
+                TensorKind::Quantized => B::quantized_tensor_handle(B::q_from_data(data, device)),
             }
         }))
         .map_err(|payload| Error::from_kernel_panic("from_data", payload))
@@ -260,7 +260,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
     }
 
     fn fuser(ctx: &BackendContext<B>) -> Option<Box<dyn crate::runtime::Fuser<Self>>> {
-        super::fusion::fuser_for::<B>(&ctx.device)
+        super::fuser_registry::fuser_for::<B>(&ctx.device)
     }
 
     fn can_mut(_handle: &B::Handle) -> bool {

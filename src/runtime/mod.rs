@@ -12,18 +12,18 @@ use burn_ir::TensorIr;
 
 use crate::Result;
 
-mod fusion;
+mod fuser;
 pub(crate) mod host;
 mod pinned;
 mod retirement;
-mod transfer;
+mod transfer_runtime;
 
-pub use fusion::Fuser;
+pub use fuser::Fuser;
 pub use pinned::PinnedHostBuffer;
 #[cfg(feature = "cuda")]
 pub(crate) use pinned::PinnedMemory;
 pub use retirement::{Retire, RetirementQueue, RetirementStats};
-pub use transfer::{Retired, TransferRuntime};
+pub use transfer_runtime::{Retired, TransferRuntime};
 
 /// A built-in kernel: the op set every runtime provides, enough for real programs and examples.
 ///

@@ -65,13 +65,13 @@ impl Latch {
 }
 
 #[derive(Clone, Copy)]
-enum Kind {
+enum ImmediateJob {
     Exit,
     Drain,
 }
 
 struct Immediate {
-    kind: Kind,
+    kind: ImmediateJob,
     hook: Weak<dyn EngineHook>,
     stream: StreamId,
     done: Arc<Latch>,
@@ -144,8 +144,8 @@ impl Service {
                 Job::Now(job) => {
                     if let Some(hook) = job.hook.upgrade() {
                         let _ = catch_unwind(AssertUnwindSafe(|| match job.kind {
-                            Kind::Exit => hook.on_thread_exit(job.stream),
-                            Kind::Drain => hook.drain_stream(job.stream),
+                            ImmediateJob::Exit => hook.on_thread_exit(job.stream),
+                            ImmediateJob::Drain => hook.drain_stream(job.stream),
                         }));
                     }
                     job.done.open();
@@ -178,7 +178,7 @@ pub(crate) fn start() {
     });
 }
 
-fn immediate(kind: Kind, hook: Weak<dyn EngineHook>, stream: StreamId) {
+fn immediate(kind: ImmediateJob, hook: Weak<dyn EngineHook>, stream: StreamId) {
     let Some(service) = SERVICE.get() else {
         return;
     };
@@ -195,12 +195,12 @@ fn immediate(kind: Kind, hook: Weak<dyn EngineHook>, stream: StreamId) {
 
 /// Have `stream`'s exit hook run on the service thread, and wait for it.
 pub(crate) fn exit_drain(hook: Weak<dyn EngineHook>, stream: StreamId) {
-    immediate(Kind::Exit, hook, stream);
+    immediate(ImmediateJob::Exit, hook, stream);
 }
 
 /// Have `stream` drained on the service thread, and wait for it.
 pub(crate) fn drain(hook: Weak<dyn EngineHook>, stream: StreamId) {
-    immediate(Kind::Drain, hook, stream);
+    immediate(ImmediateJob::Drain, hook, stream);
 }
 
 /// Call `hook.flush_deferred(stream)` on the service thread at `at`. Never waits.

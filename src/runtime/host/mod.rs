@@ -1,12 +1,12 @@
 //! The embedded host runtime; its public face, with the design notes, is [`crate::host`].
 
-mod fusion;
+mod elementwise_fuser;
 mod kernels;
 pub(crate) mod marker;
-mod transfer;
+mod transfer_jobs;
 pub(crate) mod worker;
 
-pub use transfer::HostEvent;
+pub use transfer_jobs::HostEvent;
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -500,9 +500,10 @@ impl StreamRuntime for HostRuntime {
     }
 
     fn fuser(ctx: &HostContext) -> Option<Box<dyn crate::runtime::Fuser<Self>>> {
-        ctx.device
-            .fusion
-            .then(|| Box::new(fusion::HostFuser::default()) as Box<dyn crate::runtime::Fuser<Self>>)
+        ctx.device.fusion.then(|| {
+            Box::new(elementwise_fuser::HostFuser::default())
+                as Box<dyn crate::runtime::Fuser<Self>>
+        })
     }
 
     fn launch(
