@@ -630,7 +630,7 @@ mod cuda_fusion {
 
     /// burn-cubecl-fusion keys a fused matmul's autotune result alike for both runs of
     /// `biased_then_masked`, although the bool mask's `u8` vectors need another kernel (see
-    /// `uniform_width` in `src/backend/cube.rs`). The masked run reused the biased run's choice,
+    /// `one_input_width` in `src/backend/cube/policy.rs`). The masked run reused the biased run's choice,
     /// failed to compile at launch and failed its read. Both reads now succeed, with plain's
     /// values up to the matmul's rounding (as above).
     ///

@@ -1,0 +1,143 @@
+//! Which fusers a stream gets: [`FUSERS_ENV`], the fuser kinds and their tie-break order, and
+//! the public constructors [`cube_fuser`] and [`cube_fuser_with`].
+
+use super::*;
+
+/// The fuser of a `StreamFusion<CubeBackend<R, F, I, BT>>` stream.
+pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend<R, F, I, BT>>>>;
+
+/// The environment variable that picks the fusers of `StreamFusion<CubeBackend>` streams (read
+/// when a stream is created): a comma-separated list of `elementwise`, `matmul`, `reduce` and
+/// `reduce_broadcasted`, or `all`, or `none` (no kernel fusion at all). Unset, it is
+/// `elementwise,matmul`. An unknown name is reported (a `tracing` warning) and the default is
+/// used.
+///
+/// The reduce fusers are opt-in until burn 0.21's backend suite has run in full on the H200 with
+/// them on (see docs/BENCHMARKS.md, "Reduce fusion (opt-in)"); on the benchmark's softmax they gain
+/// nothing measurable yet.
+pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
+
+/// The fusers, in the order that breaks a tie between two that cover the same run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum FuserKind {
+    Elementwise,
+    Matmul,
+    Reduce,
+    ReduceBroadcasted,
+}
+
+impl FuserKind {
+    pub(super) const ALL: [FuserKind; 4] = [
+        FuserKind::Elementwise,
+        FuserKind::Matmul,
+        FuserKind::Reduce,
+        FuserKind::ReduceBroadcasted,
+    ];
+
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            FuserKind::Elementwise => "elementwise",
+            FuserKind::Matmul => "matmul",
+            FuserKind::Reduce => "reduce",
+            FuserKind::ReduceBroadcasted => "reduce_broadcasted",
+        }
+    }
+
+    pub(super) fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A set of [`FuserKind`]s, one bit each.
+pub(super) type Kinds = u8;
+
+pub(super) const DEFAULT_KINDS: Kinds = 0b0011;
+
+/// The fusers `spec` names (see [`FUSERS_ENV`]).
+pub(super) fn parse_kinds(spec: &str) -> std::result::Result<Kinds, String> {
+    let mut kinds = 0;
+    for name in spec
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+    {
+        kinds |= match name {
+            "all" => FuserKind::ALL.iter().map(|kind| kind.bit()).sum(),
+            "none" => 0,
+            name => match FuserKind::ALL.iter().find(|kind| kind.name() == name) {
+                Some(kind) => kind.bit(),
+                None => {
+                    return Err(format!(
+                        "unknown fuser `{name}` in {FUSERS_ENV}={spec:?} (known: elementwise, \
+                         matmul, reduce, reduce_broadcasted, all, none)"
+                    ));
+                }
+            },
+        };
+    }
+    Ok(kinds)
+}
+
+/// The fusers [`FUSERS_ENV`] asks for.
+pub(super) fn kinds_from_env() -> Kinds {
+    match std::env::var(FUSERS_ENV) {
+        Ok(spec) => parse_kinds(&spec).unwrap_or_else(|error| {
+            tracing::warn!(target: "fusion_streams", "{error}; using elementwise,matmul");
+            DEFAULT_KINDS
+        }),
+        Err(_) => DEFAULT_KINDS,
+    }
+}
+
+/// The fuser of `StreamFusion<CubeBackend<R, F, I, BT>>` streams, with the fusers
+/// [`FUSERS_ENV`] asks for: registered for the CUDA backends by default; pass it to
+/// [`register_fuser`](crate::backend::register_fuser) for a `CubeBackend` over another cubecl runtime.
+pub fn cube_fuser<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    device: &R::Device,
+) -> CubeStreamFuser<R, F, I, BT> {
+    Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>>::new(fusers(
+        device,
+        kinds_from_env(),
+    )))
+}
+
+/// The fuser of `StreamFusion<CubeBackend<R, F, I, BT>>` streams with the fusers `names` lists
+/// (the syntax of [`FUSERS_ENV`]), whatever the environment says; for
+/// [`register_fuser`](crate::backend::register_fuser). An unknown name is an [`Error::InvalidConfig`].
+///
+/// ```no_run
+/// use burn_cubecl::CubeBackend;
+/// use cubecl::cuda::CudaRuntime;
+/// use fusion_streams::backend::{cube_fuser_with, register_fuser};
+///
+/// type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+/// // Every fuser, reductions included, for the engines opened from here on.
+/// register_fuser::<Cuda>(|device| cube_fuser_with(device, "all").expect("known names"));
+/// ```
+pub fn cube_fuser_with<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    device: &R::Device,
+    names: &str,
+) -> Result<CubeStreamFuser<R, F, I, BT>> {
+    let kinds = parse_kinds(names).map_err(Error::InvalidConfig)?;
+    Ok(Box::new(CubeFuser::<R, CubeBackend<R, F, I, BT>>::new(
+        fusers(device, kinds),
+    )))
+}
+
+/// burn-cubecl-fusion's fusers of `kinds`, as built, in [`FuserKind`] order.
+pub(super) fn fusers<R: CubeRuntime>(device: &R::Device, kinds: Kinds) -> [Option<DynFuser<R>>; 4] {
+    FuserKind::ALL.map(|kind| {
+        (kinds & kind.bit() != 0).then(|| -> DynFuser<R> {
+            match kind {
+                FuserKind::Elementwise => Box::new(ElementWiseFuser::new(device.clone())),
+                FuserKind::Matmul => Box::new(MatmulFuser::new(device.clone())),
+                FuserKind::Reduce => {
+                    Box::new(ReduceFuser::new(device.clone(), ReduceSettings::Always))
+                }
+                FuserKind::ReduceBroadcasted => {
+                    Box::new(ReduceBroadcastedFuser::new(device.clone()))
+                }
+            }
+        })
+    })
+}

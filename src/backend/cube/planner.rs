@@ -1,0 +1,255 @@
+//! The fuser of one stream: the fusers side by side, the trie of runs seen (their decisions and
+//! kernels, by relative prefix), and the [`Fuser`] contract the engine drives.
+
+use super::*;
+
+pub(super) type DynFuser<R> = Box<dyn OperationFuser<CubeOptimization<R>>>;
+
+/// The most runs (distinct relative prefixes) a stream remembers before it starts over.
+pub(super) const MAX_NODES: usize = 4096;
+
+/// A relative operation as a key. The relative form holds no floating-point value (scalars
+/// are ids into the context's table), so equality is an equivalence.
+#[derive(Clone, PartialEq, Hash)]
+pub(super) struct Key(OperationIr);
+
+impl Eq for Key {}
+
+/// One relative prefix the fusers have seen: which fusers took every operation of it, which of
+/// those can build a kernel for exactly it, what follows it, and the kernels built for it.
+pub(super) struct Node<R: CubeRuntime> {
+    pub(super) alive: Kinds,
+    pub(super) ready: Kinds,
+    pub(super) next: HashMap<Key, usize>,
+    pub(super) optimizations: SmallVec<[(FuserKind, CubeOptimization<R>); 1]>,
+}
+
+impl<R: CubeRuntime> Node<R> {
+    pub(super) fn new(alive: Kinds) -> Self {
+        Self {
+            alive,
+            ready: 0,
+            next: HashMap::new(),
+            optimizations: SmallVec::new(),
+        }
+    }
+}
+
+/// The fuser of one stream (see the module docs).
+pub(super) struct CubeFuser<R: CubeRuntime, B> {
+    /// Each enabled fuser as built: a run starts from a clone of it.
+    pub(super) pristine: [Option<DynFuser<R>>; 4],
+    /// Each enabled fuser at work, with how many of the run's accepted operations it has been
+    /// fed (`None`: it must start over from a clone).
+    pub(super) working: [(Option<DynFuser<R>>, Option<usize>); 4],
+    /// Whether a reduction may join a run (a reduce fuser is enabled).
+    pub(super) reductions: bool,
+    pub(super) backend: PhantomData<fn() -> B>,
+    /// The accepted operations in relative form, to feed fusers that lag behind.
+    pub(super) offered_relative: Vec<OperationIr>,
+    /// The accepted operations a kernel may run unfused (matmuls and reductions, global ids),
+    /// with their position in the run: its fallbacks.
+    pub(super) fallbacks: SmallVec<[(usize, OperationIr); 2]>,
+    /// The conversion of exactly the accepted operations: the context of the run's kernel.
+    pub(super) relative: Relative,
+    /// The trie of runs seen, `runs[0]` the empty prefix.
+    pub(super) runs: Vec<Node<R>>,
+    /// The node of each accepted prefix, `path[0] == 0`.
+    pub(super) path: Vec<usize>,
+}
+
+impl<R: CubeRuntime, B> CubeFuser<R, B> {
+    pub(super) fn new(pristine: [Option<DynFuser<R>>; 4]) -> Self {
+        let enabled = FuserKind::ALL
+            .iter()
+            .filter(|kind| pristine[**kind as usize].is_some())
+            .map(|kind| kind.bit())
+            .sum();
+        let reductions = pristine[FuserKind::Reduce as usize].is_some()
+            || pristine[FuserKind::ReduceBroadcasted as usize].is_some();
+        Self {
+            pristine,
+            working: Default::default(),
+            reductions,
+            backend: PhantomData,
+            offered_relative: Vec::new(),
+            fallbacks: SmallVec::new(),
+            relative: Relative::default(),
+            runs: vec![Node::new(enabled)],
+            path: vec![0],
+        }
+    }
+
+    /// Fuser `kind`, fed exactly the first `depth` accepted operations of the run: fed forward
+    /// if it lags, or a fresh clone fed from the start.
+    pub(super) fn fed(
+        &mut self,
+        kind: FuserKind,
+        depth: usize,
+    ) -> &mut dyn OperationFuser<CubeOptimization<R>> {
+        let (working, fed) = &mut self.working[kind as usize];
+        let from = match (*fed, working.as_ref()) {
+            (Some(fed), Some(_)) if fed <= depth => fed,
+            _ => {
+                let pristine = self.pristine[kind as usize].as_ref();
+                *working = Some(pristine.expect("an enabled fuser").clone_dyn());
+                0
+            }
+        };
+        let fuser = working.as_deref_mut().expect("set above");
+        for op in &self.offered_relative[from..depth] {
+            fuser.fuse(op);
+        }
+        *fed = Some(depth);
+        fuser
+    }
+
+    /// The run's kernel: the longest accepted prefix some fuser can build a kernel for, and
+    /// the first such fuser in [`FuserKind`] order.
+    pub(super) fn chosen(&self) -> Option<(usize, FuserKind)> {
+        let depth = self
+            .path
+            .iter()
+            .rposition(|node| self.runs[*node].ready != 0)?;
+        let ready = self.runs[self.path[depth]].ready;
+        FuserKind::ALL
+            .into_iter()
+            .find(|kind| ready & kind.bit() != 0)
+            .map(|kind| (depth, kind))
+    }
+
+    /// Offer `op` (relative) to every fuser that took the whole prefix of `depth` operations
+    /// ending at node `at`: the node of the longer prefix.
+    pub(super) fn decide(&mut self, at: usize, depth: usize, op: &OperationIr) -> Node<R> {
+        let mut node = Node::new(0);
+        for kind in FuserKind::ALL {
+            if self.runs[at].alive & kind.bit() == 0 {
+                continue;
+            }
+            if kind == FuserKind::Matmul && !one_input_width(&self.offered_relative[..depth], op) {
+                // Never offered: the run ends here for the matmul fuser (see `one_input_width`).
+                continue;
+            }
+            let fuser = self.fed(kind, depth);
+            if matches!(fuser.status(), FuserStatus::Closed) {
+                continue;
+            }
+            let before = fuser.len();
+            fuser.fuse(op);
+            let open = !matches!(fuser.status(), FuserStatus::Closed);
+            // The matmul fuser counts its matmul before it takes it; it takes it unless it
+            // closes.
+            let took = fuser.len() > before || (depth == 0 && kind == FuserKind::Matmul && open);
+            let ready = took
+                && match kind {
+                    // Ready with one operation (the engine fuses two or more).
+                    FuserKind::Elementwise | FuserKind::Matmul => true,
+                    FuserKind::Reduce | FuserKind::ReduceBroadcasted => fuser.properties().ready,
+                };
+            self.working[kind as usize].1 = took.then_some(depth + 1);
+            if took {
+                node.alive |= kind.bit();
+            }
+            if ready {
+                node.ready |= kind.bit();
+            }
+        }
+        node
+    }
+}
+
+impl<R, F, I, BT> Fuser<BackendRuntime<CubeBackend<R, F, I, BT>>>
+    for CubeFuser<R, CubeBackend<R, F, I, BT>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn offer(&mut self, op: &OperationIr, handles: &HandleContainer<CubeFusionHandle<R>>) -> bool {
+        let at = *self.path.last().expect("the empty prefix");
+        if self.runs[at].alive == 0 || !fusable(op, self.reductions) {
+            return false;
+        }
+        let op = allocated_here_or_read_only(op, handles);
+        // From here on, a refusal takes the operation's conversion back: the context must hold
+        // exactly the accepted operations (a refused consuming use would otherwise change the
+        // status of a tensor the kernel reads).
+        let key = Key(self.relative.op(&op));
+        let depth = self.offered_relative.len();
+        let next = match self.runs[at].next.get(&key) {
+            Some(next) => *next,
+            None => {
+                // A new prefix: ask the fusers, and remember their answer.
+                let node = self.decide(at, depth, &key.0);
+                self.runs.push(node);
+                let next = self.runs.len() - 1;
+                self.runs[at].next.insert(key.clone(), next);
+                next
+            }
+        };
+        if self.runs[next].alive == 0 {
+            self.relative.roll_back();
+            return false;
+        }
+        if has_fallback(&op) {
+            self.fallbacks.push((depth, op.into_owned()));
+        }
+        self.path.push(next);
+        self.offered_relative.push(key.0);
+        true
+    }
+
+    fn covered(&self) -> usize {
+        self.chosen().map_or(0, |(depth, _)| depth)
+    }
+
+    fn execute(
+        &mut self,
+        handles: &mut HandleContainer<CubeFusionHandle<R>>,
+        _: &crate::backend::BackendContext<CubeBackend<R, F, I, BT>>,
+    ) -> Result<usize> {
+        let Some((depth, kind)) = self.chosen() else {
+            return Err(Error::Runtime("no fused run to execute".into()));
+        };
+        let at = self.path[depth];
+        if !self.runs[at].optimizations.iter().any(|(k, _)| *k == kind) {
+            let built = self.fed(kind, depth).finish();
+            // `finish` may leave the fuser in any state.
+            self.working[kind as usize].1 = None;
+            self.runs[at].optimizations.push((kind, built));
+        }
+        self.relative.roll_back_to(depth);
+        let optimization = self.runs[at]
+            .optimizations
+            .iter_mut()
+            .find_map(|(k, optimization)| (*k == kind).then_some(optimization))
+            .expect("built above");
+        run::<R, CubeBackend<R, F, I, BT>>(
+            optimization,
+            &self.fallbacks,
+            &mut self.relative,
+            handles,
+        )?;
+        Ok(1)
+    }
+
+    fn reset(&mut self) {
+        // A fuser fed this run's operations starts the next one from a clone (`fed`), never
+        // from `OperationFuser::reset` (see the module docs).
+        for (_, fed) in &mut self.working {
+            if *fed != Some(0) {
+                *fed = None;
+            }
+        }
+        self.offered_relative.clear();
+        self.fallbacks.clear();
+        self.relative.clear();
+        self.path.truncate(1);
+        if self.runs.len() >= MAX_NODES {
+            // Start over rather than grow without bound.
+            self.runs.truncate(1);
+            self.runs[0].next.clear();
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! The stream fuser's run logic over stand-in fusers (no GPU needed).
+
+//! The run logic over stand-in fusers (no GPU: a stand-in never builds a kernel). The
+//! kernels themselves are tested on the GPU (`tests/backend.rs`, `cuda_fusion`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn_fusion::FuserProperties;
+use cubecl::cuda::CudaRuntime;
+
+use super::*;
+
+type R = CudaRuntime;
+type Cube = CubeBackend<R, f32, i32, u8>;
+
+/// A fuser that takes operations while `takes` says so (and then closes), is ready once
+/// it holds one that `readies` says so of, and counts what it is fed and how often it is
+/// cloned. It must never be reset: a run starts from a clone.
+#[derive(Clone)]
+struct Stand {
+    takes: fn(&OperationIr) -> bool,
+    readies: fn(&OperationIr) -> bool,
+    taken: usize,
+    ready: bool,
+    closed: bool,
+    fed: Arc<AtomicUsize>,
+    clones: Arc<AtomicUsize>,
+}
+
+impl Stand {
+    fn new(takes: fn(&OperationIr) -> bool, readies: fn(&OperationIr) -> bool) -> Self {
+        Self {
+            takes,
+            readies,
+            taken: 0,
+            ready: false,
+            closed: false,
+            fed: Arc::default(),
+            clones: Arc::default(),
+        }
+    }
+}
+
+impl OperationFuser<CubeOptimization<R>> for Stand {
+    fn fuse(&mut self, op: &OperationIr) {
+        self.fed.fetch_add(1, Ordering::Relaxed);
+        if self.closed {
+            return;
+        }
+        if (self.takes)(op) {
+            self.taken += 1;
+            self.ready |= (self.readies)(op);
+        } else {
+            self.closed = true;
+        }
+    }
+
+    fn finish(&mut self) -> CubeOptimization<R> {
+        unreachable!("a stand-in builds no kernel")
+    }
+
+    fn reset(&mut self) {
+        panic!("a fed fuser was reset instead of cloned afresh");
+    }
+
+    fn status(&self) -> FuserStatus {
+        if self.closed {
+            FuserStatus::Closed
+        } else {
+            FuserStatus::Open
+        }
+    }
+
+    fn properties(&self) -> FuserProperties {
+        FuserProperties {
+            score: 0,
+            ready: self.ready,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.taken
+    }
+
+    fn clone_dyn(&self) -> Box<dyn OperationFuser<CubeOptimization<R>>> {
+        self.clones.fetch_add(1, Ordering::Relaxed);
+        Box::new(self.clone())
+    }
+}
+
+fn elementwise(op: &OperationIr) -> bool {
+    reduction(op).is_none()
+}
+
+fn anything(_: &OperationIr) -> bool {
+    true
+}
+
+fn a_reduction(op: &OperationIr) -> bool {
+    reduction(op).is_some()
+}
+
+fn tensor(id: u64, shape: [usize; 2], status: TensorStatus) -> TensorIr {
+    TensorIr {
+        id: TensorId::new(id),
+        shape: Shape::new(shape),
+        status,
+        dtype: DType::F32,
+    }
+}
+
+/// `out = lhs + rhs` over `[4, 8]` tensors (`lhs` consumed).
+fn add(lhs: u64, rhs: u64, out: u64) -> OperationIr {
+    OperationIr::NumericFloat(
+        DType::F32,
+        NumericOperationIr::Add(BinaryOpIr {
+            lhs: tensor(lhs, [4, 8], TensorStatus::ReadWrite),
+            rhs: tensor(rhs, [4, 8], TensorStatus::ReadOnly),
+            out: tensor(out, [4, 8], TensorStatus::NotInit),
+        }),
+    )
+}
+
+/// `out = input.sum_dim(1)` (`input` `[4, 8]`, consumed).
+fn sum(input: u64, out: u64) -> OperationIr {
+    OperationIr::NumericFloat(
+        DType::F32,
+        NumericOperationIr::SumDim(ReduceDimOpIr {
+            input: tensor(input, [4, 8], TensorStatus::ReadWrite),
+            out: tensor(out, [4, 1], TensorStatus::NotInit),
+            axis: 1,
+            accumulator_len: 1,
+        }),
+    )
+}
+
+/// An operation no fuser here takes (no relative form).
+fn unfusable(input: u64, out: u64) -> OperationIr {
+    OperationIr::Float(
+        DType::F32,
+        FloatOperationIr::Round(UnaryOpIr {
+            input: tensor(input, [4, 8], TensorStatus::ReadWrite),
+            out: tensor(out, [4, 8], TensorStatus::NotInit),
+        }),
+    )
+}
+
+fn fuser(slots: [Option<Stand>; 4]) -> CubeFuser<R, Cube> {
+    CubeFuser::new(slots.map(|slot| slot.map(|stand| Box::new(stand) as DynFuser<R>)))
+}
+
+/// Offer `ops` until one is refused; how many were accepted.
+fn offer_all(fuser: &mut CubeFuser<R, Cube>, ops: &[OperationIr]) -> usize {
+    let handles = HandleContainer::new();
+    ops.iter()
+        .take_while(|op| Fuser::<BackendRuntime<Cube>>::offer(fuser, op, &handles))
+        .count()
+}
+
+fn covered(fuser: &CubeFuser<R, Cube>) -> usize {
+    Fuser::<BackendRuntime<Cube>>::covered(fuser)
+}
+
+fn reset(fuser: &mut CubeFuser<R, Cube>) {
+    Fuser::<BackendRuntime<Cube>>::reset(fuser)
+}
+
+/// An elementwise stand-in and a reduce stand-in that takes anything once it holds a
+/// reduction.
+fn elementwise_and_reduce() -> [Option<Stand>; 4] {
+    [
+        Some(Stand::new(elementwise, elementwise)),
+        None,
+        Some(Stand::new(anything, a_reduction)),
+        None,
+    ]
+}
+
+#[test]
+fn the_longest_prefix_a_fuser_can_finish_wins() {
+    let mut fuser = fuser(elementwise_and_reduce());
+    let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(5, 5, 6)];
+    assert_eq!(offer_all(&mut fuser, &program), 4);
+    // The elementwise fuser closed at the reduction; the reduce fuser covers all four.
+    assert_eq!(covered(&fuser), 4);
+    assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
+
+    // Without the reduction, the reduce fuser is never ready: the elementwise one runs.
+    reset(&mut fuser);
+    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
+    assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
+}
+
+#[test]
+fn a_tie_goes_to_the_first_fuser_in_order() {
+    let both = Stand::new(elementwise, elementwise);
+    let mut fuser = fuser([Some(both.clone()), None, Some(both), None]);
+    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
+    assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
+}
+
+#[test]
+fn a_run_ends_at_its_last_ready_prefix() {
+    // The reduce fuser takes the trailing additions but is never ready again after a
+    // second reduction it refuses; the run's kernel covers the prefix the elementwise
+    // fuser can finish.
+    let mut fuser = fuser([
+        Some(Stand::new(elementwise, elementwise)),
+        None,
+        Some(Stand::new(elementwise, a_reduction)),
+        None,
+    ]);
+    let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4), sum(4, 5)];
+    assert_eq!(offer_all(&mut fuser, &program), 3);
+    assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
+    // The refused reduction's conversion was taken back.
+    assert_eq!(fuser.relative.marks.len(), 3);
+}
+
+#[test]
+fn an_operation_without_a_relative_form_or_a_disabled_reduction_is_refused() {
+    let stand = Stand::new(anything, anything);
+    let fed = stand.fed.clone();
+    let mut fuser = fuser([Some(stand), None, None, None]);
+    // No reduce fuser: a reduction is not offered to any fuser.
+    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), sum(2, 3)]), 1);
+    reset(&mut fuser);
+    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), unfusable(2, 3)]), 1);
+    // Fed the first addition only (the second run's is a known prefix).
+    assert_eq!(fed.load(Ordering::Relaxed), 1);
+}
+
+/// `out = input`, or -1 where `mask` (a `u8` bool) holds, over `[4, 8]` tensors.
+fn mask_fill(input: u64, mask: u64, out: u64) -> OperationIr {
+    OperationIr::BaseFloat(BaseOperationIr::MaskFill(MaskFillOpIr {
+        tensor: tensor(input, [4, 8], TensorStatus::ReadWrite),
+        mask: TensorIr {
+            dtype: DType::Bool(burn_backend::BoolStore::U8),
+            ..tensor(mask, [4, 8], TensorStatus::ReadOnly)
+        },
+        value: ScalarIr::Float(-1.0),
+        out: tensor(out, [4, 8], TensorStatus::NotInit),
+    }))
+}
+
+/// `out = input <= 0` (a `u8` bool), over `[4, 8]` tensors.
+fn non_positive(input: u64, out: u64) -> OperationIr {
+    OperationIr::NumericFloat(
+        DType::F32,
+        NumericOperationIr::LowerEqualElem(ScalarOpIr {
+            lhs: tensor(input, [4, 8], TensorStatus::ReadOnly),
+            rhs: ScalarIr::Float(0.0),
+            out: TensorIr {
+                dtype: DType::Bool(burn_backend::BoolStore::U8),
+                ..tensor(out, [4, 8], TensorStatus::NotInit)
+            },
+        }),
+    )
+}
+
+#[test]
+fn a_matmul_run_reads_one_width() {
+    let takes_all = || Some(Stand::new(anything, anything));
+    let mut matmul = fuser([None, takes_all(), None, None]);
+    // The mask comes from outside the run: refused.
+    assert_eq!(
+        offer_all(&mut matmul, &[add(0, 1, 2), mask_fill(2, 3, 4)]),
+        1
+    );
+    assert_eq!(matmul.chosen(), Some((1, FuserKind::Matmul)));
+
+    // Made inside the run (`relu`'s mask), it is never read from memory: taken.
+    let mut relu = fuser([None, takes_all(), None, None]);
+    let program = [add(0, 1, 2), non_positive(2, 3), mask_fill(2, 3, 4)];
+    assert_eq!(offer_all(&mut relu, &program), 3);
+    assert_eq!(relu.chosen(), Some((3, FuserKind::Matmul)));
+
+    // The elementwise fuser takes it: the run goes on without the matmul fuser.
+    let mut both = fuser([takes_all(), takes_all(), None, None]);
+    let program = [add(0, 1, 2), mask_fill(2, 3, 4), add(4, 1, 5)];
+    assert_eq!(offer_all(&mut both, &program), 3);
+    assert_eq!(both.chosen(), Some((3, FuserKind::Elementwise)));
+    let alive = |depth: usize| both.runs[both.path[depth]].alive;
+    assert_eq!(
+        alive(1),
+        FuserKind::Elementwise.bit() | FuserKind::Matmul.bit()
+    );
+    assert_eq!(alive(2), FuserKind::Elementwise.bit());
+}
+
+#[test]
+fn a_known_prefix_asks_no_fuser() {
+    let stand = Stand::new(elementwise, elementwise);
+    let fed = stand.fed.clone();
+    let mut fuser = fuser([Some(stand), None, None, None]);
+    let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4)];
+    assert_eq!(offer_all(&mut fuser, &program), 3);
+    let first = fed.load(Ordering::Relaxed);
+    assert_eq!(first, 3);
+    reset(&mut fuser);
+    // The same run with other global ids has the same relative form.
+    let again = [add(10, 11, 12), add(12, 11, 13), add(13, 11, 14)];
+    assert_eq!(offer_all(&mut fuser, &again), 3);
+    assert_eq!(fed.load(Ordering::Relaxed), first);
+    assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
+}
+
+#[test]
+fn a_new_run_starts_every_fuser_from_a_fresh_clone() {
+    let stand = Stand::new(anything, a_reduction);
+    let clones = stand.clones.clone();
+    let mut fuser = fuser([None, None, Some(stand), None]);
+    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), sum(2, 3)]), 2);
+    assert_eq!(clones.load(Ordering::Relaxed), 1);
+    reset(&mut fuser);
+    // A different run: the fuser fed the last one is not reset (the stand-in panics if
+    // it is) but replaced by a clone of the pristine one.
+    assert_eq!(
+        offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3), sum(3, 4)]),
+        3
+    );
+    assert_eq!(clones.load(Ordering::Relaxed), 2);
+    assert_eq!(fuser.chosen(), Some((3, FuserKind::Reduce)));
+    // A known prefix, then a new operation: a clone fed the known prefix takes it.
+    reset(&mut fuser);
+    let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4), add(5, 1, 6)];
+    assert_eq!(offer_all(&mut fuser, &program), 4);
+    assert_eq!(clones.load(Ordering::Relaxed), 3);
+    assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
+}
+
+#[test]
+fn rolling_back_to_a_prefix_gives_that_prefix_s_conversion() {
+    let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4)];
+    let mut long = Relative::default();
+    for op in &program {
+        long.op(op);
+    }
+    long.roll_back_to(1);
+    let mut short = Relative::default();
+    short.op(&program[0]);
+    assert_eq!(long.relative2global, short.relative2global);
+    assert_eq!(long.global2relative, short.global2relative);
+    assert_eq!(long.shapes_relative2global, short.shapes_relative2global);
+    assert_eq!(long.shapes_global2relative, short.shapes_global2relative);
+    assert_eq!(long.marks.len(), 1);
+}
+
+#[test]
+fn a_cleared_conversion_converts_like_a_fresh_one() {
+    let program = [add(0, 1, 2), add(2, 1, 3), sum(3, 4)];
+    let mut reused = Relative::default();
+    for op in &program {
+        reused.op(op);
+    }
+    reused.clear();
+    let mut fresh = Relative::default();
+    let again = [add(10, 11, 12), add(12, 11, 13), sum(13, 14)];
+    for op in &again {
+        assert_eq!(reused.op(op), fresh.op(op));
+    }
+    assert_eq!(reused.relative2global, fresh.relative2global);
+    assert_eq!(reused.global2relative, fresh.global2relative);
+    assert_eq!(reused.shapes_relative2global, fresh.shapes_relative2global);
+    assert_eq!(reused.shapes_global2relative, fresh.shapes_global2relative);
+    assert_eq!(reused.undo.len(), fresh.undo.len());
+}
+
+#[test]
+fn the_fusers_env_names_fusers() {
+    assert_eq!(parse_kinds(""), Ok(0));
+    assert_eq!(parse_kinds("none"), Ok(0));
+    assert_eq!(parse_kinds("elementwise, matmul"), Ok(DEFAULT_KINDS));
+    assert_eq!(parse_kinds("all"), Ok(0b1111));
+    assert_eq!(
+        parse_kinds("reduce,reduce_broadcasted"),
+        Ok(FuserKind::Reduce.bit() | FuserKind::ReduceBroadcasted.bit())
+    );
+    let error = parse_kinds("elementwise,softmax").unwrap_err();
+    assert!(error.contains("unknown fuser `softmax`"), "{error}");
+}
