@@ -406,7 +406,7 @@ pub fn a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream<R: S
 /// The same chain, published from a session on the third stream: the frontier must cover the
 /// chain, so the download sees all of it. On cubecl 0.10 the frontier aligns with the buffer's
 /// *allocating* stream; before the fix the chain was written in place on B into A's buffer, and
-/// on an H200 the download saw 62 of 64 Mi elements half done (`docs/gpu/prefix-in-place-chain.log`).
+/// on an H200 the download saw 62 of 64 Mi elements half done (`docs/logs/2026-12-01-cudaruntime-prefix-in-place-chain.log`).
 pub fn a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream<R>(
     c: &FusionClient<R>,
     n: usize,

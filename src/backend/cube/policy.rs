@@ -43,7 +43,7 @@ pub(super) fn reduction(op: &OperationIr) -> Option<&ReduceDimOpIr> {
 /// vectors the chosen stage layout cannot hold: the launch failed to compile ("Invalid vector
 /// size. Got 16 which should not be >8") and failed the next read on the stream. burn's
 /// `attention::test_attention_bool_mask_broadcast_batch_and_heads` hit this on a cold autotune
-/// cache after the bias-broadcast tests (measured on the H200; the log is in `docs/fusion/`).
+/// cache after the bias-broadcast tests (measured on the H200; the log is `docs/logs/2026-12-02-attention-cold-cache.log`).
 /// Keeping reads of another width out of matmul runs gives every run under one key one width;
 /// the masking then runs as its own elementwise kernel. A bool made inside the run (`relu`'s
 /// mask) is not read from memory and stays fused. A run's bool *output* of another width is not
