@@ -1,7 +1,8 @@
 //! Tensors crossing threads, host-only cases: foreign operands, consumed views, thread exit,
 //! the queue bound, panics, consuming reads. The cases that hold on every device (shares of
 //! pending, materialised and chained sources; every drop order; deferred foreign drops) are in
-//! `suite/`, run on the host by `suite_host.rs` and on CUDA by `gpu.rs`.
+//! `suite/`, run on the host by `suite_host.rs` and on burn backends (NdArray in CI, CUDA on a
+//! GPU) by `suite_backend.rs`.
 
 mod common;
 

@@ -1,5 +1,5 @@
 //! The runtime-generic cross-thread suite (`tests/suite/`) on the host runtime. The same suite
-//! runs on CUDA in `gpu.rs`.
+//! runs on burn backends in `suite_backend.rs` (NdArray in CI, CUDA on a GPU).
 
 mod common;
 mod suite;

@@ -1,7 +1,8 @@
 //! The cross-thread tests that make sense on any device, generic over the runtime.
 //!
-//! Instantiated for the host runtime in `suite_host.rs` (CI) and for CUDA in `gpu.rs`. Checks are
-//! engine-level (handles, shares, drains, frees) and value-level. Where a device counter says
+//! Instantiated for the host runtime in `suite_host.rs` and for burn backends in
+//! `suite_backend.rs` (NdArray in CI, CUDA on a GPU). Checks are engine-level (handles, shares,
+//! drains, frees) and value-level. Where a device counter says
 //! more (live buffers, in-place reuses), the caller passes a [`Counters`] that reads it; a
 //! runtime without that counter passes [`Counters::none`].
 #![allow(dead_code)]
