@@ -139,10 +139,7 @@ fn drops_during_a_panic_do_not_deadlock_and_leak_nothing() {
         fusion_streams::Error::OperationPanicked { .. }
     ));
     drop((out, x));
-    c.streams().drain_all();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
-    assert_eq!(host(&c).live_buffers(), 0);
+    assert_nothing_held(&c);
 }
 
 /// Regression (found by the model test): a consuming read from a foreign thread released the
@@ -161,9 +158,7 @@ fn consuming_read_on_a_foreign_thread_waits_for_pending_readers() {
         "the pending reader still found x"
     );
     drop(y);
-    c.streams().drain_all();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }
 
 /// Regression (found on the H200): a thread's exit drain ran its queued operations on the exiting

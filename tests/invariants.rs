@@ -153,10 +153,7 @@ fn shared_sources_is_bounded_by_live_shared_tensors() {
     assert_eq!(max_seen, 0);
     drop(x);
     peer.join();
-    c.streams().drain_all();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
-    assert_eq!(host(&c).live_buffers(), 0);
+    assert_nothing_held(&c);
 }
 
 /// Frees on the home stream: on the home thread the last drop enqueues a drop; from any other

@@ -432,7 +432,5 @@ fn a_value_from_another_stream_is_published_after_its_producer_ran() {
         vec![0.5, 1.0]
     );
     peer.join();
-    c.streams().drain_all();
-    settle(&c);
-    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_nothing_held(&c);
 }

@@ -58,8 +58,10 @@ pub fn settle(client: &Client) {
     client.sync().expect("sync");
 }
 
-/// Settle, then check that the engine holds nothing and the device no buffer.
+/// Run every stream's pending work and settle, then check that the engine holds nothing and
+/// the device no buffer.
 pub fn assert_nothing_held(client: &Client) {
+    client.streams().drain_all();
     settle(client);
     let stats = client.stats();
     assert!(stats.is_quiescent(), "{stats:?}");
