@@ -205,16 +205,15 @@ fn a_buffer_read_on_another_stream_is_not_reused_under_the_reader() {
 mod transfer {
     //! The device side of publication: page-locked allocation failures, frontiers of long
     //! producers, both copy routes, retention of in-flight copies, and a device fault after
-    //! `publish`.
-    use std::sync::{Arc, Weak};
-
+    //! `publish`. What holds on every runtime is in `suite/publication.rs`, run on CUDA by
+    //! `suite_backend.rs`.
     use fusion_streams::backend::{BackendContext, Download, Publication, Session};
     use fusion_streams::runtime::TransferRuntime;
     use fusion_streams::transfer::{HeldSession, PinnedHostBuffer, PublicationAdmissionError};
 
     use super::{Cuda, client, in_child, ints, matmul_at};
     use crate::common::buffer_f32s;
-    use crate::suite::{f32s, matrix};
+    use crate::suite::matrix;
 
     type Runtime = fusion_streams::backend::BackendRuntime<Cuda>;
     type Tensor = fusion_streams::FusionTensor<Runtime>;
@@ -288,28 +287,12 @@ mod transfer {
         }
     }
 
+    /// A publication dropped while its producer (a 4096² matmul) still runs is retired without
+    /// waiting, and `synchronize` releases it. (`mem::forget` and the runtime's retention are in
+    /// the suite's publication part, run on CUDA by `suite_backend.rs`.)
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn a_publication_retains_its_allocation_and_runtime_without_any_source_handle() {
-        let c = client();
-        let runtime: Weak<BackendContext<Cuda>> = Arc::downgrade(c.context());
-        let mut session = HeldSession::open(&c).unwrap();
-        let buffer = pinned(c.context(), 12);
-        let x = f32s(&c, &[7.0, 8.0, 9.0]);
-        let p = publish(&mut session, x.scale(-1.0).unwrap());
-        session.close();
-        drop((x, c));
-        assert!(
-            runtime.upgrade().is_some(),
-            "the publication pins the runtime"
-        );
-        let buffer = download(p, buffer).wait().unwrap();
-        assert_eq!(buffer_f32s(&buffer), vec![-7.0, -8.0, -9.0]);
-    }
-
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
-    fn dropped_in_flight_is_retired_and_forgotten_leaks_in_place() {
+    fn a_publication_dropped_in_flight_is_retired() {
         let c = client();
         let mut session = HeldSession::open(&c).unwrap();
         let n = 4096;
@@ -323,15 +306,6 @@ mod transfer {
         let s = c.context().retirement().stats();
         assert_eq!(s.pending, 0, "synchronize released it");
         assert_eq!(s.released, before.released + 1);
-
-        let forgotten = publish(&mut session, f32s(&c, &[1.0]));
-        std::mem::forget(forgotten);
-        session.synchronize().unwrap();
-        assert_eq!(
-            c.context().retirement().stats().released,
-            before.released + 1,
-            "forget leaks in place"
-        );
     }
 
     /// A kernel that traps on the device (a real fault, which loses the device's context) while

@@ -1,15 +1,15 @@
-//! Source publication on the host runtime, one test per property a publication promises (each
-//! test's doc names it), plus the fault-injected terminal path and the refusals.
+//! Source publication on the host runtime: the properties every runtime shares
+//! (`suite/publication.rs`, instantiated here, under miri in CI too), then what needs the host
+//! device's hooks — a stream held still (`HostContext::pause`) and a kernel that fails after
+//! dispatch.
 
 mod common;
+mod suite;
 
-use std::sync::{Arc, Weak};
-
-use burn_backend::{DType, StreamId, TensorData};
-use burn_ir::{CustomOpIr, HandleContainer};
+use burn_backend::{StreamId, TensorData};
 use common::*;
 use fusion_streams::Error;
-use fusion_streams::host::{HostContext, HostHandle, HostRuntime};
+use fusion_streams::host::{HostContext, HostRuntime};
 use fusion_streams::transfer::{
     HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError, SourcePublication,
 };
@@ -32,18 +32,59 @@ fn retirement(context: &HostContext) -> fusion_streams::runtime::RetirementStats
     context.retirement().stats()
 }
 
-/// "Publication survives its session": produce in a held session, publish, close, download:
-/// the exact bytes come back.
+/// The host device counts its buffers.
+fn counters() -> suite::Counters<HostRuntime> {
+    suite::Counters {
+        live_buffers: |c: &Client| Some(host(c).live_buffers()),
+        in_place_reuses: |c: &Client| Some(host(c).in_place_reuses),
+    }
+}
+
 #[test]
-fn publication_survives_session_close() {
+fn a_publication_survives_its_session() {
+    suite::publication::a_publication_survives_its_session(&client());
+}
+
+#[test]
+fn a_publication_outlives_its_session_client_and_tensors() {
+    let runtime =
+        suite::publication::a_publication_outlives_its_session_client_and_tensors(client());
+    assert!(
+        runtime.upgrade().is_none(),
+        "the last owner of the runtime was the download"
+    );
+}
+
+#[test]
+fn forgetting_a_publication_leaks_it_in_place() {
+    suite::publication::forgetting_a_publication_leaks_it_in_place(client(), &counters());
+}
+
+#[test]
+fn a_refused_publication_returns_the_value() {
+    suite::publication::a_refused_publication_returns_the_value(client);
+}
+
+#[test]
+fn a_wrong_length_buffer_is_refused_with_both_owners_back() {
+    suite::publication::a_wrong_length_buffer_is_refused_with_both_owners_back(&client());
+}
+
+#[test]
+fn one_session_per_stream() {
+    suite::publication::one_session_per_stream(client);
+}
+
+#[test]
+fn a_pinned_buffer_is_reused_across_downloads() {
+    suite::publication::a_pinned_buffer_is_reused_across_downloads(&client());
+}
+
+#[test]
+fn a_value_from_another_stream_is_published_after_its_producer_ran() {
     let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.5, -2.0, 3.25]);
-    let value = x.scale(2.0).unwrap().add(&x).unwrap(); // pending
-    let publication = publish(&mut session, value);
-    session.close();
-    let buffer = download(publication, 12).wait().unwrap();
-    assert_eq!(buffer_f32s(&buffer), vec![4.5, -6.0, 9.75]);
+    suite::publication::a_value_from_another_stream_is_published_after_its_producer_ran(&c);
+    assert_nothing_held(&c);
 }
 
 /// "Producer frontier": publish right after a deliberately large producer — the frontier is
@@ -93,32 +134,6 @@ fn frontier_stays_pending_while_the_stream_is_held() {
     assert_eq!(got, vec![1f32.exp(), 2f32.exp()]);
 }
 
-/// "Retention without the source handles": with the client, the session and every tensor
-/// gone, only the publication holds the runtime pin and the allocation; consuming it gives the
-/// exact bytes, and the runtime is torn down once the download goes.
-#[test]
-fn publication_retains_allocation_and_runtime_without_any_source_handle() {
-    let c = client();
-    let runtime: Weak<HostContext> = Arc::downgrade(c.context());
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[7.0, 8.0, 9.0]);
-    let publication = publish(&mut session, x.scale(-1.0).unwrap());
-    session.close();
-    drop((x, c));
-    assert!(
-        runtime.upgrade().is_some(),
-        "the publication pins the runtime"
-    );
-
-    let pending = download(publication, 12);
-    let buffer = pending.wait().unwrap();
-    assert_eq!(buffer_f32s(&buffer), vec![-7.0, -8.0, -9.0]);
-    assert!(
-        runtime.upgrade().is_none(),
-        "the last owner of the runtime was the download"
-    );
-}
-
 /// "Lifecycle": dropping a publication with its frontier in flight detaches it into the
 /// retirement queue without waiting, and `synchronize` releases it.
 #[test]
@@ -161,83 +176,6 @@ fn dropping_a_download_in_flight_retires_it() {
         0,
         "the retained allocation was released"
     );
-}
-
-/// "Lifecycle": `mem::forget` leaks the record in place — allocation and runtime pin.
-#[test]
-fn forgetting_a_publication_leaks_it_in_place() {
-    let c = client();
-    let runtime: Weak<HostContext> = Arc::downgrade(c.context());
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0]);
-    let publication = publish(&mut session, x.scale(2.0).unwrap());
-    std::mem::forget(publication);
-    session.close();
-    drop(x);
-    c.streams().drain_all();
-    settle(&c);
-    assert_eq!(retirement(c.context()).pending, 0, "nothing was retired");
-    assert_eq!(
-        host(&c).live_buffers(),
-        1,
-        "the published buffer leaked in place"
-    );
-    drop(c);
-    assert!(
-        runtime.upgrade().is_some(),
-        "and so did its pin on the runtime"
-    );
-}
-
-/// "Lifecycle": a rejected publication returns the value — for a value of another client, and
-/// for a producer whose failure is already known at the dispatch boundary.
-#[test]
-fn a_rejected_publication_returns_the_value() {
-    let c = client();
-    let other = client();
-    let mut session = HeldSession::open(&c).unwrap();
-
-    let foreign = f32s(&other, &[4.0]);
-    let foreign_id = foreign.id();
-    let rejected = match unsafe { session.publish(foreign) } {
-        Err(PublicationAdmissionError::Rejected(r)) => r,
-        other => panic!("expected a rejection, got {other:?}"),
-    };
-    assert!(matches!(rejected.reason, Error::DeviceMismatch { .. }));
-    assert_eq!(rejected.value.id(), foreign_id);
-    assert_eq!(values(&rejected.value), vec![4.0], "unchanged and usable");
-
-    let x = f32s(&c, &[1.0]);
-    let failed = c
-        .op("fails")
-        .read(&x)
-        .output([1], DType::F32)
-        .execute(|_: &CustomOpIr, _: &mut HandleContainer<HostHandle>| {
-            Err(Error::operation("fails", "known at dispatch"))
-        })
-        .unwrap()
-        .remove(0);
-    let rejected = match unsafe { session.publish(failed) } {
-        Err(PublicationAdmissionError::Rejected(r)) => r,
-        other => panic!("expected a rejection, got {other:?}"),
-    };
-    assert!(matches!(&rejected.reason, Error::OperationFailed { op, .. } if &**op == "fails"));
-    assert_eq!(rejected.value.read().unwrap_err(), rejected.reason);
-}
-
-/// "No session in consumption": the download runs after the source session closed, with no
-/// session open anywhere, and takes no session argument.
-#[test]
-fn download_needs_no_session() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[5.0, 6.0]);
-    let publication = publish(&mut session, x.scale(0.5).unwrap());
-    session.close();
-    // No session is open on this stream any more: opening one succeeds.
-    HeldSession::open(&c).unwrap().close();
-    let buffer = download(publication, 8).wait().unwrap();
-    assert_eq!(buffer_f32s(&buffer), vec![2.5, 3.0]);
 }
 
 /// Beyond the evidence table: a kernel that fails *on the device* after `publish` makes `await_frontier`
@@ -288,30 +226,6 @@ fn a_device_failure_after_publish_makes_the_publication_terminal() {
     );
     // Unrelated work is unaffected.
     assert_eq!(values(&x.scale(2.0).unwrap()), vec![2.0, 4.0]);
-}
-
-/// A wrong-length buffer is refused before anything is enqueued, with both owners back; the
-/// publication then downloads into the right buffer.
-#[test]
-fn a_wrong_length_buffer_is_refused_with_both_owners_back() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0, 2.0, 3.0]);
-    let publication = publish(&mut session, x.clone());
-    let (publication, buffer, reason) = publication
-        .download_into(PinnedHostBuffer::new(16).unwrap())
-        .unwrap_err()
-        .into_parts();
-    assert_eq!(
-        reason,
-        Error::BufferSize {
-            expected: 12,
-            found: 16
-        }
-    );
-    assert_eq!(buffer.len(), 16);
-    let got = buffer_f32s(&download(publication, 12).wait().unwrap());
-    assert_eq!(got, vec![1.0, 2.0, 3.0]);
 }
 
 /// Two publications (frontiers pending) and three downloads in flight, on three streams,
@@ -365,72 +279,4 @@ fn two_publications_and_three_downloads_complete_independently() {
     for (p, want) in kept.into_iter().zip(expected) {
         assert_eq!(buffer_f32s(&download(p, 8).wait().unwrap()), want);
     }
-}
-
-/// One held session per client and stream; threads on other streams hold their own.
-#[test]
-fn a_second_session_on_a_stream_is_refused_and_other_threads_hold_their_own() {
-    let c = client();
-    let session = HeldSession::open(&c).unwrap();
-    assert_eq!(
-        HeldSession::open(&c).unwrap_err(),
-        Error::SessionHeld {
-            stream: StreamId::current()
-        }
-    );
-    let c2 = c.clone();
-    let other = std::thread::spawn(move || HeldSession::open(&c2).map(|s| s.stream()))
-        .join()
-        .unwrap()
-        .unwrap();
-    assert_ne!(other, session.stream());
-    // Another client may hold the same stream.
-    let c3 = client();
-    HeldSession::open(&c3).unwrap().close();
-    session.close();
-    HeldSession::open(&c).unwrap().close();
-}
-
-/// A pinned buffer is reused across downloads.
-#[test]
-fn a_pinned_buffer_is_reused_across_downloads() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let mut buffer = PinnedHostBuffer::new(8).unwrap();
-    let address = buffer.as_bytes().as_ptr();
-    for round in 0..5 {
-        let x = f32s(&c, &[round as f32, -(round as f32)]);
-        let publication = publish(&mut session, x.scale(10.0).unwrap());
-        buffer = publication.download_into(buffer).unwrap().wait().unwrap();
-        assert_eq!(buffer.as_bytes().as_ptr(), address, "the same memory");
-        assert_eq!(
-            buffer_f32s(&buffer),
-            vec![10.0 * round as f32, -10.0 * round as f32]
-        );
-    }
-}
-
-/// A value produced on another thread's stream is published once its producer has run there: its
-/// home stream is drained, no view is minted on the session's stream, and the tensor is released.
-#[test]
-fn a_value_from_another_stream_is_published_after_its_producer_ran() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let peer = Peer::spawn();
-    let c2 = c.clone();
-    let value = peer.run(move || {
-        let x = f32s(&c2, &[2.0, 4.0]);
-        x.scale(0.25).unwrap() // pending on the peer's stream
-    });
-    let drains = c.stats().drains;
-    let publication = publish(&mut session, value);
-    let s = c.stats();
-    assert_eq!(s.drains, drains + 1, "the producer was materialised first");
-    assert_eq!(s.shares, 0, "no view on the session's stream");
-    assert_eq!(
-        buffer_f32s(&download(publication, 8).wait().unwrap()),
-        vec![0.5, 1.0]
-    );
-    peer.join();
-    assert_nothing_held(&c);
 }

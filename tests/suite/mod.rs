@@ -14,6 +14,8 @@ use fusion_streams::{Error, FusionClient, FusionTensor, Operand};
 
 pub use crate::common::{Peer, f32s, values};
 
+pub mod publication;
+
 pub fn matrix<R: StreamRuntime>(
     c: &FusionClient<R>,
     values: Vec<f32>,
