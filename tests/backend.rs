@@ -227,8 +227,13 @@ same_on_both! {
 /// (burn's own CUDA test of this size allows 1.5e-2 on L and U for the same reason). On the
 /// H200, plain `CubeBackend`'s own residual `max |PLU - A|` was 9.4e-3 in one process and
 /// 1.1e-2 in another; with concurrent GPU work, ours and plain's L differed by up to 4.4e-2 (the
-/// same permutation). There the factorization must have plain's permutation and reconstruct
-/// `A` as well as plain's does (within 2x); how far L and U are from plain's is printed.
+/// same permutation). A pivot is a discontinuous function of that rounding: where two candidate
+/// rows differ by less than it, the two runs may pick different rows, and on 2026-12-03 they did
+/// in every H200 run (residuals 9.747e-3 against plain's 9.749e-3;
+/// `docs/logs/2026-12-03-backend-tests-lu-pivot.log`). Both are then valid factorizations, so
+/// on CUDA the check is what makes one valid: `P` is a permutation matrix, and `PLU`
+/// reconstructs `A` as well as plain's does (within 2x). Whether `P` matches plain's, and how far
+/// L and U are from plain's, is printed.
 #[test]
 #[cfg_attr(
     feature = "cuda",
@@ -249,6 +254,20 @@ fn lu_decomposition_of_a_batch() {
     }
     let ours = program::<Ours>(&Default::default());
     let plain = program::<Plain>(&Default::default());
+    // P: [3, 300, 300], every row and every column one 1 and otherwise 0.
+    let (p, n) = (ours[0].to_vec::<f32>().unwrap(), 300);
+    assert_eq!(p.len(), 3 * n * n);
+    for (b, m) in p.chunks(n * n).enumerate() {
+        for i in 0..n {
+            let row: Vec<f32> = (0..n).map(|j| m[i * n + j]).collect();
+            let column: Vec<f32> = (0..n).map(|j| m[j * n + i]).collect();
+            for (what, line) in [("row", row), ("column", column)] {
+                let ones = line.iter().filter(|v| **v == 1.0).count();
+                let zeros = line.iter().filter(|v| **v == 0.0).count();
+                assert_eq!((ones, zeros), (1, n - 1), "P[{b}]: {what} {i}");
+            }
+        }
+    }
     #[cfg(not(feature = "cuda"))]
     assert_eq!(ours, plain);
     #[cfg(feature = "cuda")]
@@ -274,7 +293,6 @@ fn lu_decomposition_of_a_batch() {
             u.1,
             u.2
         );
-        assert!(ours[0] == plain[0], "the permutations differ");
         assert!(
             mine <= theirs.max(2.5e-3) * 2.0,
             "residual {mine:e} against {theirs:e}"
