@@ -9,7 +9,7 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
-use super::record::{client_of, record_one};
+use super::record::record_one;
 
 impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
     data_ops!(
@@ -102,12 +102,10 @@ impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        let client = client_of(&tensor);
         record_one(
-            &client,
             "float_argtopk",
             [tensor],
-            |i, id| ReduceDimOpIr::create_arg(i[0].clone(), dim, k, out_dtype.into(), id),
+            |[tensor], id| ReduceDimOpIr::create_arg(tensor, dim, k, out_dtype.into(), id),
             |ir| wrap!(NumericFloat, ArgTopK, ir.input.dtype, ir),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.input);
@@ -118,12 +116,10 @@ impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
     }
 
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let client = client_of(&lhs);
         record_one(
-            &client,
             "float_matmul",
             [lhs, rhs],
-            |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
+            |[lhs, rhs], id| MatmulOpIr::create(lhs, rhs, id),
             |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Matmul(ir.clone())),
             |ir, h| {
                 let (l, r) = (h.take_float::<B>(&ir.lhs), h.take_float::<B>(&ir.rhs));
@@ -137,12 +133,10 @@ impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
-        let client = client_of(&lhs);
         record_one(
-            &client,
             "float_cross",
             [lhs, rhs],
-            |i, id| CrossOpIr::create(i[0].clone(), i[1].clone(), dim, id),
+            |[lhs, rhs], id| CrossOpIr::create(lhs, rhs, dim, id),
             |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Cross(ir.clone())),
             |ir, h| {
                 let (l, r) = (h.take_float::<B>(&ir.lhs), h.take_float::<B>(&ir.rhs));

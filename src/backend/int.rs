@@ -9,18 +9,15 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
-use super::record::{client_of, record_one};
+use super::record::record_one;
 
 /// `int_argmax`/`int_argmin`/`int_argtopk`: an int result of the input's dtype.
 macro_rules! int_arg_ops {
     ($($f:ident: $v:ident),* $(,)?) => {$(
         fn $f(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-            let client = client_of(&tensor);
-            record_one(
-                &client,
-                stringify!($f),
+            record_one(stringify!($f),
                 [tensor],
-                |i, id| ReduceDimOpIr::create(i[0].clone(), dim, 1, id),
+                |[tensor], id| ReduceDimOpIr::create(tensor, dim, 1, id),
                 |ir| wrap!(NumericInt, $v, ir.input.dtype, ir),
                 |ir, h| {
                     let x = h.take_int::<B>(&ir.input);
@@ -50,12 +47,10 @@ impl<B: IrBackend> IntTensorOps<Self> for StreamFusion<B> {
     );
 
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        let client = client_of(&lhs);
         record_one(
-            &client,
             "int_matmul",
             [lhs, rhs],
-            |i, id| MatmulOpIr::create(i[0].clone(), i[1].clone(), id),
+            |[lhs, rhs], id| MatmulOpIr::create(lhs, rhs, id),
             |ir| OperationIr::Int(IntOperationIr::Matmul(ir.clone())),
             |ir, h| {
                 let (l, r) = (h.take_int::<B>(&ir.lhs), h.take_int::<B>(&ir.rhs));
@@ -65,12 +60,10 @@ impl<B: IrBackend> IntTensorOps<Self> for StreamFusion<B> {
     }
 
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        let client = client_of(&tensor);
         record_one(
-            &client,
             "int_argtopk",
             [tensor],
-            |i, id| ReduceDimOpIr::create(i[0].clone(), dim, k, id),
+            |[tensor], id| ReduceDimOpIr::create(tensor, dim, k, id),
             |ir| wrap!(NumericInt, ArgTopK, ir.input.dtype, ir),
             |ir, h| {
                 let x = h.take_int::<B>(&ir.input);

@@ -149,12 +149,9 @@ macro_rules! compare_scalar_ops {
 macro_rules! reduce_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         fn $f(tensor: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(
-                &client,
-                stringify!($f),
+            $crate::backend::record::record_one(stringify!($f),
                 [tensor],
-                |i, id| burn_ir::ReduceOpIr::create(i[0].clone(), id),
+                |[tensor], id| burn_ir::ReduceOpIr::create(tensor, id),
                 |ir| wrap!($fam, $v, ir.out.dtype, ir),
                 |ir, h| {
                     let x = h.$get::<B>(&ir.input);
@@ -169,12 +166,9 @@ macro_rules! reduce_ops {
 macro_rules! reduce_dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(
-                &client,
-                stringify!($f),
+            $crate::backend::record::record_one(stringify!($f),
                 [tensor],
-                |i, id| burn_ir::ReduceDimOpIr::create(i[0].clone(), dim, 1, id),
+                |[tensor], id| burn_ir::ReduceDimOpIr::create(tensor, dim, 1, id),
                 |ir| wrap!($fam, $v, ir.out.dtype, ir),
                 |ir, h| {
                     let x = h.$get::<B>(&ir.input);
@@ -194,12 +188,9 @@ macro_rules! arg_reduce_ops {
             dim: usize,
             out_dtype: burn_backend::IntDType,
         ) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(
-                &client,
-                stringify!($f),
+            $crate::backend::record::record_one(stringify!($f),
                 [tensor],
-                |i, id| burn_ir::ReduceDimOpIr::create_arg(i[0].clone(), dim, 1, out_dtype.into(), id),
+                |[tensor], id| burn_ir::ReduceDimOpIr::create_arg(tensor, dim, 1, out_dtype.into(), id),
                 |ir| wrap!($fam, $v, ir.input.dtype, ir),
                 |ir, h| {
                     let x = h.$get::<B>(&ir.input);
@@ -215,12 +206,9 @@ macro_rules! arg_reduce_ops {
 macro_rules! dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(
-                &client,
-                stringify!($f),
+            $crate::backend::record::record_one(stringify!($f),
                 [tensor],
-                |i, id| burn_ir::DimOpIr::create(i[0].clone(), dim, id),
+                |[tensor], id| burn_ir::DimOpIr::create(tensor, dim, id),
                 |ir| wrap!($fam, $v, ir.out.dtype, ir),
                 |ir, h| {
                     let x = h.$get::<B>(&ir.input);
@@ -240,72 +228,64 @@ macro_rules! base_ops {
     )*};
     (@reshape $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::ShapeOpIr::reshape(i[0].clone(), shape, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::ShapeOpIr::reshape(tensor, shape, id),
                 |ir| wrap!($fam, Reshape, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
         }
     };
     (@expand $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::ShapeOpIr::expand(i[0].clone(), shape, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::ShapeOpIr::expand(tensor, shape, id),
                 |ir| wrap!($fam, Expand, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
         }
     };
     (@swap_dims $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim1: usize, dim2: usize) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::SwapDimsOpIr::create(i[0].clone(), dim1, dim2, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::SwapDimsOpIr::create(tensor, dim1, dim2, id),
                 |ir| wrap!($fam, SwapDims, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim1, ir.dim2)); })
         }
     };
     (@permute $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::PermuteOpIr::create(i[0].clone(), axes.to_vec(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::PermuteOpIr::create(tensor, axes.to_vec(), id),
                 |ir| wrap!($fam, Permute, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
         }
     };
     (@flip $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::FlipOpIr::create(i[0].clone(), axes.to_vec(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::FlipOpIr::create(tensor, axes.to_vec(), id),
                 |ir| wrap!($fam, Flip, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
         }
     };
     (@unfold $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, size: usize, step: usize) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::UnfoldOpIr::create(i[0].clone(), dim, size, step, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::UnfoldOpIr::create(tensor, dim, size, step, id),
                 |ir| wrap!($fam, Unfold, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, ir.size, ir.step)); })
         }
     };
     (@slice $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice]) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor],
-                |i, id| burn_ir::SliceOpIr::create(i[0].clone(), slices.to_vec(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor],
+                |[tensor], id| burn_ir::SliceOpIr::create(tensor, slices.to_vec(), id),
                 |ir| wrap!($fam, Slice, ir.out.dtype, ir),
                 |ir, h| { let x = h.$get::<B>(&ir.tensor); h.$put::<B>(&ir.out.id, B::$f(x, &ir.ranges)); })
         }
     };
     (@slice_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice], value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, value],
-                |i, id| burn_ir::SliceAssignOpIr::create(i[0].clone(), slices.to_vec(), i[1].clone(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, value],
+                |[tensor, value], id| burn_ir::SliceAssignOpIr::create(tensor, slices.to_vec(), value, id),
                 |ir| wrap!($fam, SliceAssign, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, v) = (h.$get::<B>(&ir.tensor), h.$get::<B>(&ir.value));
@@ -315,9 +295,8 @@ macro_rules! base_ops {
     };
     (@select $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices],
-                |i, id| burn_ir::SelectOpIr::create(i[0].clone(), dim, i[1].clone(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, indices],
+                |[tensor, indices], id| burn_ir::SelectOpIr::create(tensor, dim, indices, id),
                 |ir| wrap!($fam, Select, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
@@ -327,9 +306,8 @@ macro_rules! base_ops {
     };
     (@select_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices, value],
-                |i, id| burn_ir::SelectAssignOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, indices, value],
+                |[tensor, indices, value], id| burn_ir::SelectAssignOpIr::create(tensor, dim, indices, value, burn_backend::tensor::IndexingUpdateOp::Add, id),
                 |ir| wrap!($fam, SelectAssign, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
@@ -339,9 +317,8 @@ macro_rules! base_ops {
     };
     (@gather $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices],
-                |i, id| burn_ir::GatherOpIr::create(i[0].clone(), dim, i[1].clone(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, indices],
+                |[tensor, indices], id| burn_ir::GatherOpIr::create(tensor, dim, indices, id),
                 |ir| wrap!($fam, Gather, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
@@ -351,9 +328,8 @@ macro_rules! base_ops {
     };
     (@scatter $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, indices, value],
-                |i, id| burn_ir::ScatterOpIr::create(i[0].clone(), dim, i[1].clone(), i[2].clone(), burn_backend::tensor::IndexingUpdateOp::Add, id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, indices, value],
+                |[tensor, indices, value], id| burn_ir::ScatterOpIr::create(tensor, dim, indices, value, burn_backend::tensor::IndexingUpdateOp::Add, id),
                 |ir| wrap!($fam, Scatter, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
@@ -363,9 +339,8 @@ macro_rules! base_ops {
     };
     (@mask_where $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, mask, value],
-                |i, id| burn_ir::MaskWhereOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, mask, value],
+                |[tensor, mask, value], id| burn_ir::MaskWhereOpIr::create(tensor, mask, value, id),
                 |ir| wrap!($fam, MaskWhere, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, m, v) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask), h.$get::<B>(&ir.value));
@@ -375,9 +350,8 @@ macro_rules! base_ops {
     };
     (@gather_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&data);
-            $crate::backend::record::record_one(&client, stringify!($f), [data, indices],
-                |i, id| burn_ir::GatherNdOpIr::create(i[0].clone(), i[1].clone(), id),
+            $crate::backend::record::record_one(stringify!($f), [data, indices],
+                |[data, indices], id| burn_ir::GatherNdOpIr::create(data, indices, id),
                 |ir| wrap!($fam, GatherNd, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices));
@@ -387,9 +361,8 @@ macro_rules! base_ops {
     };
     (@scatter_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, values: $crate::backend::record::Tensor<B>, reduction: burn_backend::tensor::IndexingUpdateOp) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&data);
-            $crate::backend::record::record_one(&client, stringify!($f), [data, indices, values],
-                |i, id| burn_ir::ScatterNdOpIr::create(i[0].clone(), i[1].clone(), i[2].clone(), reduction, id),
+            $crate::backend::record::record_one(stringify!($f), [data, indices, values],
+                |[data, indices, values], id| burn_ir::ScatterNdOpIr::create(data, indices, values, reduction, id),
                 |ir| wrap!($fam, ScatterNd, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, idx, v) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.values));
@@ -399,9 +372,8 @@ macro_rules! base_ops {
     };
     (@mask_fill $f:ident, $get:ident, $put:ident, $fam:ident) => {
         fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: burn_backend::Scalar) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(&client, stringify!($f), [tensor, mask],
-                |i, id| burn_ir::MaskFillOpIr::create(i[0].clone(), i[1].clone(), value.into(), id),
+            $crate::backend::record::record_one(stringify!($f), [tensor, mask],
+                |[tensor, mask], id| burn_ir::MaskFillOpIr::create(tensor, mask, value.into(), id),
                 |ir| wrap!($fam, MaskFill, ir.out.dtype, ir),
                 |ir, h| {
                     let (x, m) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask));
@@ -452,11 +424,10 @@ macro_rules! creation_ops {
         ) -> $crate::backend::record::Tensor<B> {
             let client = Self::client(device);
             let device = device.clone();
-            $crate::backend::record::record_one(
+            $crate::backend::record::create(
                 &client,
                 stringify!($f),
-                [],
-                |_, id| (burn_ir::CreationOpIr::create(shape, dtype.into(), id), device),
+                |id| (burn_ir::CreationOpIr::create(shape, dtype.into(), id), device),
                 |(ir, _)| wrap!($fam, $v, ir.out.dtype, ir),
                 |(ir, device), h| {
                     let out = B::$f(ir.out.shape.clone(), device, ir.out.dtype.into());
@@ -479,11 +450,10 @@ macro_rules! random_op {
         ) -> $crate::backend::record::Tensor<B> {
             let client = Self::client(device);
             let device = device.clone();
-            $crate::backend::record::record_one(
+            $crate::backend::record::create(
                 &client,
                 stringify!($f),
-                [],
-                |_, id| {
+                |id| {
                     let ir = burn_ir::RandomOpIr::create(shape, dtype.into(), distribution, id);
                     (ir, device)
                 },
@@ -503,12 +473,9 @@ macro_rules! random_op {
 macro_rules! cast_ops {
     ($($f:ident($get:ident -> $put:ident, $dtype:ty): |$ir:ident| $repr:expr),* $(,)?) => {$(
         fn $f(tensor: $crate::backend::record::Tensor<B>, dtype: $dtype) -> $crate::backend::record::Tensor<B> {
-            let client = $crate::backend::record::client_of(&tensor);
-            $crate::backend::record::record_one(
-                &client,
-                stringify!($f),
+            $crate::backend::record::record_one(stringify!($f),
                 [tensor],
-                |i, id| burn_ir::CastOpIr::create(i[0].clone(), dtype.into(), id),
+                |[tensor], id| burn_ir::CastOpIr::create(tensor, dtype.into(), id),
                 |$ir| $repr,
                 |ir, h| {
                     let x = h.$get::<B>(&ir.input);

@@ -1,7 +1,7 @@
 //! Module operations (convolutions, pooling, interpolation, attention, FFT) of [`StreamFusion`].
 //!
-//! Optional operands (a bias, a mask) are appended to the operand list when present; the IR
-//! builder takes them back in the same order.
+//! Optional operands (a bias, a mask) follow the required ones in the operand list when present;
+//! [`record_optional`] hands the IR builder both lists back, the optional ones in place.
 
 use burn_backend::Element;
 use burn_backend::ops::{
@@ -14,28 +14,35 @@ use burn_ir::{
     AvgPool2dOpIr, Conv2dOpIr, Conv3dOpIr, ConvTranspose2dOpIr, ConvTranspose3dOpIr,
     DeformConv2dBackwardOpIr, DeformConv2dOpIr, IRfftOpIr, InterpolateBackwardOpIr,
     InterpolateOpIr, MaxPool2dOpIr, MaxPool2dWithIndicesBackwardOpIr, MaxPool2dWithIndicesOpIr,
-    ModuleOperationIr, OperationIr, RfftOpIr, TensorIr,
+    ModuleOperationIr, OperationIr, RfftOpIr, TensorId, TensorIr,
 };
+use smallvec::SmallVec;
 
 use super::IrBackend;
 use super::StreamFusion;
 use super::record::Take as _;
-use super::record::{Tensor, client_of, record, record_one};
+use super::record::{Handles, Tensor, record, record_on, record_one};
 
-/// Operands, then the optional ones that are present.
-fn operands<B: IrBackend, const N: usize>(
+/// [`record`] for an operation with optional operands (a bias, a mask): those present follow
+/// the required ones, on the stream of the first. `ir` gets the required operands' IRs and the
+/// optional ones', each `None` where the operand was absent.
+fn record_optional<B: IrBackend, I: Send + Sync + 'static, const N: usize, const M: usize>(
+    name: &'static str,
     required: [Tensor<B>; N],
-    optional: impl IntoIterator<Item = Option<Tensor<B>>>,
-) -> Vec<Tensor<B>> {
-    required
-        .into_iter()
-        .chain(optional.into_iter().flatten())
-        .collect()
-}
-
-/// The IR of an optional operand: the next one of `rest` when it was present.
-fn optional<'a>(present: bool, rest: &mut impl Iterator<Item = &'a TensorIr>) -> Option<TensorIr> {
-    present.then(|| rest.next().expect("present operand").clone())
+    optional: [Option<Tensor<B>>; M],
+    ir: impl FnOnce([TensorIr; N], [Option<TensorIr>; M], &mut dyn FnMut() -> TensorId) -> I,
+    repr: fn(&I) -> OperationIr,
+    run: fn(&I, &mut Handles<B>),
+) -> SmallVec<[Tensor<B>; 1]> {
+    let client = required[0].client().clone();
+    let present = optional.each_ref().map(Option::is_some);
+    let operands = required.into_iter().chain(optional.into_iter().flatten());
+    let split = |inputs: &[TensorIr], id: &mut dyn FnMut() -> TensorId| {
+        let mut rest = inputs[N..].iter().cloned();
+        let optional = present.map(|present| present.then(|| rest.next().expect("present")));
+        ir(std::array::from_fn(|k| inputs[k].clone()), optional, id)
+    };
+    record_on(&client, name, operands, split, repr, run)
 }
 
 fn module(ir: ModuleOperationIr) -> OperationIr {
@@ -52,26 +59,20 @@ macro_rules! conv_ops {
             bias: Option<FloatTensor<Self>>,
             options: $options,
         ) -> FloatTensor<Self> {
-            let client = client_of(&x);
-            let has_bias = bias.is_some();
-            record_one(
-                &client,
+            record_optional(
                 stringify!($f),
-                operands([x, weight], [bias]),
-                |i, id| {
-                    let mut rest = i[2..].iter();
-                    let bias = optional(has_bias, &mut rest);
-                    $ir::create(i[0].clone(), i[1].clone(), bias, options.into(), id)
-                },
+                [x, weight],
+                [bias],
+                |[x, weight], [bias], id| $ir::create(x, weight, bias, options.into(), id),
                 |ir| module(ModuleOperationIr::$v(ir.clone())),
                 |ir, h| {
-                    let x = h.take_float::<B>(&ir.x);
-                    let w = h.take_float::<B>(&ir.weight);
+                    let [x, w] = h.take_floats::<B, 2>([&ir.x, &ir.weight]);
                     let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
                     let out = B::$f(x, w, b, ir.options.clone().into());
                     h.register_float_tensor::<B>(&ir.out.id, out);
                 },
             )
+            .swap_remove(0)
         }
     )*};
 }
@@ -92,38 +93,26 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
-        let (has_mask, has_bias) = (mask.is_some(), bias.is_some());
-        record_one(
-            &client,
+        record_optional(
             "deform_conv2d",
-            operands([x, offset, weight], [mask, bias]),
-            |i, id| {
-                let mut rest = i[3..].iter();
-                let mask = optional(has_mask, &mut rest);
-                let bias = optional(has_bias, &mut rest);
-                let (x, offset, weight) = (i[0].clone(), i[1].clone(), i[2].clone());
+            [x, offset, weight],
+            [mask, bias],
+            |[x, offset, weight], [mask, bias], id| {
+                let options = options.into();
                 Box::new(DeformConv2dOpIr::create(
-                    x,
-                    offset,
-                    weight,
-                    mask,
-                    bias,
-                    options.into(),
-                    id,
+                    x, offset, weight, mask, bias, options, id,
                 ))
             },
             |ir| module(ModuleOperationIr::DeformableConv2d(ir.clone())),
             |ir, h| {
-                let x = h.take_float::<B>(&ir.x);
-                let offset = h.take_float::<B>(&ir.offset);
-                let w = h.take_float::<B>(&ir.weight);
+                let [x, offset, w] = h.take_floats::<B, 3>([&ir.x, &ir.offset, &ir.weight]);
                 let m = ir.mask.as_ref().map(|m| h.take_float::<B>(m));
                 let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
                 let out = B::deform_conv2d(x, offset, w, m, b, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
+        .swap_remove(0)
     }
 
     fn deform_conv2d_backward(
@@ -135,47 +124,36 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
-        let client = client_of(&x);
         let (has_mask, has_bias) = (mask.is_some(), bias.is_some());
-        let mut outputs = record(
-            &client,
+        let mut outputs = record_optional(
             "deform_conv2d_backward",
-            operands([x, offset, weight, output_grad], [mask, bias]),
-            |i, id| {
-                let mut rest = i[4..].iter();
-                let mask = optional(has_mask, &mut rest);
-                let bias = optional(has_bias, &mut rest);
-                let (x, offset, weight, grad) =
-                    (i[0].clone(), i[1].clone(), i[2].clone(), i[3].clone());
-                Box::new(DeformConv2dBackwardOpIr::create(
-                    x,
-                    offset,
-                    weight,
-                    mask,
-                    bias,
-                    grad,
-                    options.into(),
-                    id,
-                ))
+            [x, offset, weight, output_grad],
+            [mask, bias],
+            |[x, offset, weight, grad], [mask, bias], id| {
+                let options = options.into();
+                let ir = DeformConv2dBackwardOpIr::create(
+                    x, offset, weight, mask, bias, grad, options, id,
+                );
+                Box::new(ir)
             },
             |ir| module(ModuleOperationIr::DeformableConv2dBackward(ir.clone())),
             |ir, h| {
-                let x = h.take_float::<B>(&ir.x);
-                let offset = h.take_float::<B>(&ir.offset);
-                let w = h.take_float::<B>(&ir.weight);
+                let [x, offset, w, g] =
+                    h.take_floats::<B, 4>([&ir.x, &ir.offset, &ir.weight, &ir.out_grad]);
                 let m = ir.mask.as_ref().map(|m| h.take_float::<B>(m));
                 let b = ir.bias.as_ref().map(|b| h.take_float::<B>(b));
-                let g = h.take_float::<B>(&ir.out_grad);
-                let out =
-                    B::deform_conv2d_backward(x, offset, w, m, b, g, ir.options.clone().into());
+                let options = ir.options.clone().into();
+                let out = B::deform_conv2d_backward(x, offset, w, m, b, g, options);
                 h.register_float_tensor::<B>(&ir.input_grad.id, out.x_grad);
                 h.register_float_tensor::<B>(&ir.offset_grad.id, out.offset_grad);
                 h.register_float_tensor::<B>(&ir.weight_grad.id, out.weight_grad);
-                if let (Some(ir), Some(grad)) = (&ir.mask_grad, out.mask_grad) {
-                    h.register_float_tensor::<B>(&ir.id, grad);
-                }
-                if let (Some(ir), Some(grad)) = (&ir.bias_grad, out.bias_grad) {
-                    h.register_float_tensor::<B>(&ir.id, grad);
+                for (ir, grad) in [
+                    (&ir.mask_grad, out.mask_grad),
+                    (&ir.bias_grad, out.bias_grad),
+                ] {
+                    if let (Some(ir), Some(grad)) = (ir, grad) {
+                        h.register_float_tensor::<B>(&ir.id, grad);
+                    }
                 }
             },
         )
@@ -195,34 +173,17 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
+        let (size, include_pad) = (kernel_size, count_include_pad);
         record_one(
-            &client,
             "avg_pool2d",
             [x],
-            |i, id| {
-                let x = i[0].clone();
-                AvgPool2dOpIr::create(
-                    x,
-                    kernel_size,
-                    stride,
-                    padding,
-                    count_include_pad,
-                    ceil_mode,
-                    id,
-                )
-            },
+            |[x], id| AvgPool2dOpIr::create(x, size, stride, padding, include_pad, ceil_mode, id),
             |ir| module(ModuleOperationIr::AvgPool2d(ir.clone())),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.x);
-                let out = B::avg_pool2d(
-                    x,
-                    ir.kernel_size,
-                    ir.stride,
-                    ir.padding,
-                    ir.count_include_pad,
-                    ir.ceil_mode,
-                );
+                let (size, stride, padding) = (ir.kernel_size, ir.stride, ir.padding);
+                let (include_pad, ceil) = (ir.count_include_pad, ir.ceil_mode);
+                let out = B::avg_pool2d(x, size, stride, padding, include_pad, ceil);
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
@@ -237,48 +198,29 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
+        let (size, include_pad, ceil) = (kernel_size, count_include_pad, ceil_mode);
         record_one(
-            &client,
             "avg_pool2d_backward",
             [x, grad],
-            |i, id| {
-                let (x, grad) = (i[0].clone(), i[1].clone());
-                AvgPool2dBackwardOpIr::create(
-                    x,
-                    grad,
-                    kernel_size,
-                    stride,
-                    padding,
-                    count_include_pad,
-                    ceil_mode,
-                    id,
-                )
+            |[x, grad], id| {
+                AvgPool2dBackwardOpIr::create(x, grad, size, stride, padding, include_pad, ceil, id)
             },
             |ir| module(ModuleOperationIr::AvgPool2dBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
-                let out = B::avg_pool2d_backward(
-                    x,
-                    grad,
-                    ir.kernel_size,
-                    ir.stride,
-                    ir.padding,
-                    ir.count_include_pad,
-                    ir.ceil_mode,
-                );
+                let [x, grad] = h.take_floats::<B, 2>([&ir.x, &ir.grad]);
+                let (size, stride, padding) = (ir.kernel_size, ir.stride, ir.padding);
+                let (include_pad, ceil) = (ir.count_include_pad, ir.ceil_mode);
+                let out = B::avg_pool2d_backward(x, grad, size, stride, padding, include_pad, ceil);
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
     }
 
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
-        let client = client_of(&x);
         record_one(
-            &client,
             "adaptive_avg_pool2d",
             [x],
-            |i, id| AdaptiveAvgPool2dOpIr::create(i[0].clone(), output_size, id),
+            |[x], id| AdaptiveAvgPool2dOpIr::create(x, output_size, id),
             |ir| module(ModuleOperationIr::AdaptiveAvgPool2d(ir.clone())),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.x);
@@ -291,15 +233,13 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
         record_one(
-            &client,
             "adaptive_avg_pool2d_backward",
             [x, grad],
-            |i, id| AdaptiveAvgPool2dBackwardOpIr::create(i[0].clone(), i[1].clone(), id),
+            |[x, grad], id| AdaptiveAvgPool2dBackwardOpIr::create(x, grad, id),
             |ir| module(ModuleOperationIr::AdaptiveAvgPool2dBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
+                let [x, grad] = h.take_floats::<B, 2>([&ir.x, &ir.grad]);
                 h.register_float_tensor::<B>(&ir.out.id, B::adaptive_avg_pool2d_backward(x, grad));
             },
         )
@@ -313,26 +253,16 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
+        let size = kernel_size;
         record_one(
-            &client,
             "max_pool2d",
             [x],
-            |i, id| {
-                let x = i[0].clone();
-                MaxPool2dOpIr::create(x, kernel_size, stride, padding, dilation, ceil_mode, id)
-            },
+            |[x], id| MaxPool2dOpIr::create(x, size, stride, padding, dilation, ceil_mode, id),
             |ir| module(ModuleOperationIr::MaxPool2d(ir.clone())),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.x);
-                let out = B::max_pool2d(
-                    x,
-                    ir.kernel_size,
-                    ir.stride,
-                    ir.padding,
-                    ir.dilation,
-                    ir.ceil_mode,
-                );
+                let (size, stride, padding) = (ir.kernel_size, ir.stride, ir.padding);
+                let out = B::max_pool2d(x, size, stride, padding, ir.dilation, ir.ceil_mode);
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
@@ -346,43 +276,26 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
-        let client = client_of(&x);
-        let mut outputs = record(
-            &client,
+        let (size, index) = (kernel_size, <B::IntElem as Element>::dtype());
+        let [output, indices] = record(
             "max_pool2d_with_indices",
             [x],
-            |i, id| {
-                let x = i[0].clone();
-                let index = <B::IntElem as Element>::dtype();
+            |[x], id| {
+                let (dilation, ceil) = (dilation, ceil_mode);
                 MaxPool2dWithIndicesOpIr::create(
-                    x,
-                    kernel_size,
-                    stride,
-                    padding,
-                    dilation,
-                    ceil_mode,
-                    index,
-                    id,
+                    x, size, stride, padding, dilation, ceil, index, id,
                 )
             },
             |ir| module(ModuleOperationIr::MaxPool2dWithIndices(ir.clone())),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.x);
-                let out = B::max_pool2d_with_indices(
-                    x,
-                    ir.kernel_size,
-                    ir.stride,
-                    ir.padding,
-                    ir.dilation,
-                    ir.ceil_mode,
-                );
+                let (size, stride, padding) = (ir.kernel_size, ir.stride, ir.padding);
+                let (dilation, ceil) = (ir.dilation, ir.ceil_mode);
+                let out = B::max_pool2d_with_indices(x, size, stride, padding, dilation, ceil);
                 h.register_float_tensor::<B>(&ir.out.id, out.output);
                 h.register_int_tensor::<B>(&ir.out_indices.id, out.indices);
             },
-        )
-        .into_iter();
-        let output = outputs.next().expect("output");
-        let indices = outputs.next().expect("indices");
+        );
         MaxPool2dWithIndices::new(output, indices)
     }
 
@@ -396,39 +309,24 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
-        let client = client_of(&x);
+        let (size, ceil) = (kernel_size, ceil_mode);
         let x_grad = record_one(
-            &client,
             "max_pool2d_with_indices_backward",
             [x, output_grad, indices],
-            |i, id| {
-                let (x, grad, indices) = (i[0].clone(), i[1].clone(), i[2].clone());
+            |[x, grad, indices], id| {
+                let (stride, padding, dilation) = (stride, padding, dilation);
                 MaxPool2dWithIndicesBackwardOpIr::create(
-                    x,
-                    grad,
-                    indices,
-                    kernel_size,
-                    stride,
-                    padding,
-                    dilation,
-                    ceil_mode,
-                    id,
+                    x, grad, indices, size, stride, padding, dilation, ceil, id,
                 )
             },
             |ir| module(ModuleOperationIr::MaxPool2dWithIndicesBackward(ir.clone())),
             |ir, h| {
-                let x = h.take_float::<B>(&ir.x);
-                let grad = h.take_float::<B>(&ir.grad);
+                let [x, grad] = h.take_floats::<B, 2>([&ir.x, &ir.grad]);
                 let indices = h.take_int::<B>(&ir.indices);
+                let (size, stride, padding) = (ir.kernel_size, ir.stride, ir.padding);
+                let (dilation, ceil) = (ir.dilation, ir.ceil_mode);
                 let out = B::max_pool2d_with_indices_backward(
-                    x,
-                    ir.kernel_size,
-                    ir.stride,
-                    ir.padding,
-                    ir.dilation,
-                    ir.ceil_mode,
-                    grad,
-                    indices,
+                    x, size, stride, padding, dilation, ceil, grad, indices,
                 );
                 h.register_float_tensor::<B>(&ir.out.id, out.x_grad);
             },
@@ -441,12 +339,10 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
         record_one(
-            &client,
             "interpolate",
             [x],
-            |i, id| InterpolateOpIr::create(i[0].clone(), output_size, options.into(), id),
+            |[x], id| InterpolateOpIr::create(x, output_size, options.into(), id),
             |ir| module(ModuleOperationIr::Interpolate(ir.clone())),
             |ir, h| {
                 let x = h.take_float::<B>(&ir.x);
@@ -462,20 +358,17 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
-        let client = client_of(&x);
         record_one(
-            &client,
             "interpolate_backward",
             [x, grad],
-            |i, id| {
-                let (x, grad) = (i[0].clone(), i[1].clone());
+            |[x, grad], id| {
                 InterpolateBackwardOpIr::create(x, grad, output_size, options.into(), id)
             },
             |ir| module(ModuleOperationIr::InterpolateBackward(ir.clone())),
             |ir, h| {
-                let (x, grad) = (h.take_float::<B>(&ir.x), h.take_float::<B>(&ir.grad));
-                let out =
-                    B::interpolate_backward(x, grad, ir.output_size, ir.options.clone().into());
+                let [x, grad] = h.take_floats::<B, 2>([&ir.x, &ir.grad]);
+                let options = ir.options.clone().into();
+                let out = B::interpolate_backward(x, grad, ir.output_size, options);
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
@@ -489,30 +382,23 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
-        let client = client_of(&query);
-        let (has_mask, has_bias) = (mask.is_some(), attn_bias.is_some());
-        record_one(
-            &client,
+        record_optional(
             "attention",
-            operands([query, key, value], [mask, attn_bias]),
-            |i, id| {
-                let mut rest = i[3..].iter();
-                let mask = optional(has_mask, &mut rest);
-                let bias = optional(has_bias, &mut rest);
-                let (q, k, v) = (i[0].clone(), i[1].clone(), i[2].clone());
+            [query, key, value],
+            [mask, attn_bias],
+            |[q, k, v], [mask, bias], id| {
                 AttentionOpIr::create(q, k, v, mask, bias, options.into(), id)
             },
             |ir| module(ModuleOperationIr::Attention(ir.clone())),
             |ir, h| {
-                let q = h.take_float::<B>(&ir.query);
-                let k = h.take_float::<B>(&ir.key);
-                let v = h.take_float::<B>(&ir.value);
+                let [q, k, v] = h.take_floats::<B, 3>([&ir.query, &ir.key, &ir.value]);
                 let m = ir.mask.as_ref().map(|m| h.take_bool::<B>(m));
                 let b = ir.attn_bias.as_ref().map(|b| h.take_float::<B>(b));
                 let out = B::attention(q, k, v, m, b, ir.options.clone().into());
                 h.register_float_tensor::<B>(&ir.out.id, out);
             },
         )
+        .swap_remove(0)
     }
 
     fn rfft(
@@ -520,12 +406,10 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let client = client_of(&signal);
-        let mut outputs = record(
-            &client,
+        let [re, im] = record(
             "rfft",
             [signal],
-            |i, id| RfftOpIr::create(i[0].clone(), dim, n, id),
+            |[signal], id| RfftOpIr::create(signal, dim, n, id),
             |ir| module(ModuleOperationIr::Rfft(ir.clone())),
             |ir, h| {
                 let signal = h.take_float::<B>(&ir.signal);
@@ -533,10 +417,7 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
                 h.register_float_tensor::<B>(&ir.out_re.id, re);
                 h.register_float_tensor::<B>(&ir.out_im.id, im);
             },
-        )
-        .into_iter();
-        let re = outputs.next().expect("real part");
-        let im = outputs.next().expect("imaginary part");
+        );
         (re, im)
     }
 
@@ -546,18 +427,13 @@ impl<B: IrBackend> ModuleOps<Self> for StreamFusion<B> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
-        let client = client_of(&spectrum_re);
         record_one(
-            &client,
             "irfft",
             [spectrum_re, spectrum_im],
-            |i, id| IRfftOpIr::create(i[0].clone(), i[1].clone(), dim, n, id),
+            |[re, im], id| IRfftOpIr::create(re, im, dim, n, id),
             |ir| module(ModuleOperationIr::IRfft(ir.clone())),
             |ir, h| {
-                let (re, im) = (
-                    h.take_float::<B>(&ir.input_re),
-                    h.take_float::<B>(&ir.input_im),
-                );
+                let [re, im] = h.take_floats::<B, 2>([&ir.input_re, &ir.input_im]);
                 h.register_float_tensor::<B>(&ir.out_signal.id, B::irfft(re, im, ir.dim, ir.n));
             },
         )

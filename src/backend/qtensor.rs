@@ -12,7 +12,7 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
-use super::record::{client_of, record_one};
+use super::record::record_one;
 
 impl<B: IrBackend> QTensorOps<Self> for StreamFusion<B> {
     data_ops!(
@@ -24,17 +24,13 @@ impl<B: IrBackend> QTensorOps<Self> for StreamFusion<B> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
-        let client = client_of(&tensor);
         let scheme = *scheme;
         record_one(
-            &client,
             "quantize",
             [tensor, qparams.scales],
-            |i, id| {
-                let qparams = QuantizationParametersIr {
-                    scales: i[1].clone(),
-                };
-                QuantizeOpIr::create(i[0].clone(), qparams, scheme, id)
+            |[tensor, scales], id| {
+                let qparams = QuantizationParametersIr { scales };
+                QuantizeOpIr::create(tensor, qparams, scheme, id)
             },
             |ir| OperationIr::Float(ir.tensor.dtype, FloatOperationIr::Quantize(ir.clone())),
             |ir, h| {
@@ -48,12 +44,10 @@ impl<B: IrBackend> QTensorOps<Self> for StreamFusion<B> {
     }
 
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let client = client_of(&tensor);
         record_one(
-            &client,
             "dequantize",
             [tensor],
-            |i, id| DequantizeOpIr::create(i[0].clone(), dtype.into(), id),
+            |[tensor], id| DequantizeOpIr::create(tensor, dtype.into(), id),
             |ir| OperationIr::Float(ir.out.dtype, FloatOperationIr::Dequantize(ir.clone())),
             |ir, h| {
                 let x = h.get_quantized_tensor::<B>(&ir.input);

@@ -126,7 +126,7 @@ impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
     }
 }
 
-/// Record an operation on the current stream of `client`.
+/// Record an operation on the current stream of its first operand's client.
 ///
 /// * `operands` are handed over (burn's ops take their tensors by value);
 /// * `ir` builds the operation's IR struct from the operands' IRs (in order, with the statuses
@@ -134,10 +134,42 @@ impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
 /// * `repr` wraps it in its [`OperationIr`] variant; its inputs and outputs are the engine's;
 /// * `run` executes it against the stream's handles.
 ///
-/// Returns the outputs, in the order `repr`'s IR lists them. A backend operation cannot return
-/// an error, so a refusal here (only a tensor of another device can cause one) panics with the
-/// engine's message, as burn's own backends do on bad input.
-pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static>(
+/// Returns the `K` outputs, in the order `repr`'s IR lists them. A backend operation cannot
+/// return an error, so a refusal here (only a tensor of another device can cause one) panics
+/// with the engine's message, as burn's own backends do on bad input. An operation without
+/// operands (a creation op), or with optional ones, names its client: [`record_on`].
+pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static, const N: usize, const K: usize>(
+    name: &'static str,
+    operands: [Tensor<B>; N],
+    ir: impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> I,
+    repr: fn(&I) -> OperationIr,
+    run: fn(&I, &mut Handles<B>),
+) -> [Tensor<B>; K] {
+    let client = first_client(&operands);
+    let ir = |inputs: &[TensorIr], id: &mut dyn FnMut() -> TensorId| {
+        ir(std::array::from_fn(|k| inputs[k].clone()), id)
+    };
+    let mut outputs = record_on(&client, name, operands, ir, repr, run).into_iter();
+    let array = std::array::from_fn(|_| outputs.next().expect("an output per declared one"));
+    debug_assert!(outputs.next().is_none(), "{name} has {K} outputs");
+    array
+}
+
+/// [`record`] for an operation with exactly one output.
+pub(crate) fn record_one<B: IrBackend, I: Send + Sync + 'static, const N: usize>(
+    name: &'static str,
+    operands: [Tensor<B>; N],
+    ir: impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> I,
+    repr: fn(&I) -> OperationIr,
+    run: fn(&I, &mut Handles<B>),
+) -> Tensor<B> {
+    let [out] = record(name, operands, ir, repr, run);
+    out
+}
+
+/// [`record`] on the current stream of `client`: for operations whose operands do not name it
+/// (creation ops have none; optional operands make a list).
+pub(crate) fn record_on<B: IrBackend, I: Send + Sync + 'static>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
     operands: impl IntoIterator<Item = Tensor<B>>,
@@ -156,6 +188,19 @@ pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static>(
         }
     };
     record_ir(client, name, operands, listed, repr, run)
+}
+
+/// The client of an operation's first operand: the stream it is recorded on.
+fn first_client<B: IrBackend, const N: usize>(
+    operands: &[Tensor<B>; N],
+) -> FusionClient<BackendRuntime<B>> {
+    const {
+        assert!(
+            N > 0,
+            "an operation without operands names its client: `record_on`"
+        )
+    };
+    operands[0].client().clone()
 }
 
 /// [`record`] for an IR struct that lists its own operands and outputs ([`OpIr`]): `ir` takes
@@ -186,28 +231,28 @@ fn record_ir<B: IrBackend, L: OpIr>(
 }
 
 /// [`record_ir`] for an operation with one output.
-fn record_out<B: IrBackend, L: OpIr>(
-    client: &FusionClient<BackendRuntime<B>>,
+fn record_out<B: IrBackend, L: OpIr, const N: usize>(
     name: &'static str,
-    operands: impl IntoIterator<Item = Tensor<B>>,
+    operands: [Tensor<B>; N],
     ir: impl FnOnce(SmallVec<[TensorIr; 2]>, &mut dyn FnMut() -> TensorId) -> L,
     repr: fn(&L::Ir) -> OperationIr,
     run: fn(&L::Ir, &mut Handles<B>),
 ) -> Tensor<B> {
-    let mut outputs = record_ir(client, name, operands, ir, repr, run);
+    let client = first_client(&operands);
+    let mut outputs = record_ir(&client, name, operands, ir, repr, run);
     outputs.swap_remove(0)
 }
 
-/// [`record`] for an operation with exactly one output.
-pub(crate) fn record_one<B: IrBackend, I: Send + Sync + 'static>(
+/// An operation without operands (a creation op) with one output, on the current stream of
+/// `client`: `ir` gets a generator of fresh output ids.
+pub(crate) fn create<B: IrBackend, I: Send + Sync + 'static>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
-    operands: impl IntoIterator<Item = Tensor<B>>,
-    ir: impl FnOnce(&[TensorIr], &mut dyn FnMut() -> TensorId) -> I,
+    ir: impl FnOnce(&mut dyn FnMut() -> TensorId) -> I,
     repr: fn(&I) -> OperationIr,
     run: fn(&I, &mut Handles<B>),
 ) -> Tensor<B> {
-    let mut outputs = record(client, name, operands, ir, repr, run);
+    let mut outputs = record_on(client, name, [], |_, id| ir(id), repr, run);
     debug_assert_eq!(outputs.len(), 1, "{name} has one output");
     outputs.swap_remove(0)
 }
@@ -227,9 +272,22 @@ fn same_shape(input: &TensorIr, dtype: Option<burn_backend::DType>, id: TensorId
     )
 }
 
-/// The client a tensor's operation is recorded on.
-pub(crate) fn client_of<B: IrBackend>(tensor: &Tensor<B>) -> FusionClient<BackendRuntime<B>> {
-    tensor.client().clone()
+/// An operation of one tensor operand whose output has its shape, and `out_dtype` or its dtype:
+/// `build` makes the IR from the operand's IR and the output's.
+fn same_shape_op<B: IrBackend, L: OpIr>(
+    name: &'static str,
+    input: Tensor<B>,
+    out_dtype: Option<burn_backend::DType>,
+    build: impl FnOnce(TensorIr, TensorIr) -> L,
+    repr: fn(&L::Ir) -> OperationIr,
+    run: fn(&L::Ir, &mut Handles<B>),
+) -> Tensor<B> {
+    let ir = |inputs: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+        let input = only(inputs);
+        let out = same_shape(&input, out_dtype, id());
+        build(input, out)
+    };
+    record_out(name, [input], ir, repr, run)
 }
 
 /// An operation of one tensor operand and one output whose IR is a [`UnaryOpIr`].
@@ -240,15 +298,8 @@ pub(crate) fn unary<B: IrBackend>(
     repr: fn(&UnaryOpIr) -> OperationIr,
     run: fn(&UnaryOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
-    let client = client_of(&input);
-    let ir = |i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
-        let input = only(i);
-        UnaryOpIr {
-            out: same_shape(&input, out_dtype, id()),
-            input,
-        }
-    };
-    record_out(&client, name, [input], ir, repr, run)
+    let build = |input, out| UnaryOpIr { input, out };
+    same_shape_op(name, input, out_dtype, build, repr, run)
 }
 
 /// An operation of two tensor operands (broadcast) whose IR is a [`BinaryOpIr`]; `out_dtype`
@@ -261,7 +312,6 @@ pub(crate) fn binary<B: IrBackend>(
     repr: fn(&BinaryOpIr) -> OperationIr,
     run: fn(&BinaryOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
-    let client = client_of(&lhs);
     let ir = |mut i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
         debug_assert_eq!(i.len(), 2);
         let (rhs, lhs) = (
@@ -273,7 +323,7 @@ pub(crate) fn binary<B: IrBackend>(
             None => BinaryOpIr::create(lhs, rhs, id),
         }
     };
-    record_out(&client, name, [lhs, rhs], ir, repr, run)
+    record_out(name, [lhs, rhs], ir, repr, run)
 }
 
 /// An operation of a tensor and a scalar whose IR is a [`ScalarOpIr`]; `out_dtype` for
@@ -286,16 +336,8 @@ pub(crate) fn scalar<B: IrBackend>(
     repr: fn(&ScalarOpIr) -> OperationIr,
     run: fn(&ScalarOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
-    let client = client_of(&lhs);
-    let ir = |i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
-        let lhs = only(i);
-        ScalarOpIr {
-            out: same_shape(&lhs, out_dtype, id()),
-            lhs,
-            rhs,
-        }
-    };
-    record_out(&client, name, [lhs], ir, repr, run)
+    let build = |lhs, out| ScalarOpIr { lhs, rhs, out };
+    same_shape_op(name, lhs, out_dtype, build, repr, run)
 }
 
 /// burn's `HandleContainer::get_{float,int,bool}_tensor`, with the tensor's shape copied the
@@ -305,6 +347,14 @@ pub(crate) trait Take<H> {
     fn take_float<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive;
     fn take_int<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive;
     fn take_bool<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive;
+
+    /// [`Take::take_float`] of several operands, in order.
+    fn take_floats<B: IrBackend<Handle = H>, const N: usize>(
+        &mut self,
+        irs: [&TensorIr; N],
+    ) -> [B::FloatTensorPrimitive; N] {
+        irs.map(|ir| self.take_float::<B>(ir))
+    }
 }
 
 impl<H: Clone> Take<H> for HandleContainer<H> {

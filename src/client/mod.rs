@@ -76,20 +76,12 @@ impl<R: StreamRuntime> fmt::Debug for FusionClient<R> {
 
 /// An operand of an operation: borrowed (read only) or handed over (the operation may consume it
 /// and, when it was the last reference, reuse its buffer in place).
+#[derive(Debug)]
 pub enum Operand<'a, R: StreamRuntime> {
     /// Read the tensor; the caller keeps it.
     Read(&'a FusionTensor<R>),
     /// Hand the tensor to the operation.
     Consume(FusionTensor<R>),
-}
-
-impl<R: StreamRuntime> fmt::Debug for Operand<'_, R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Operand::Read(t) => f.debug_tuple("Read").field(t).finish(),
-            Operand::Consume(t) => f.debug_tuple("Consume").field(t).finish(),
-        }
-    }
 }
 
 impl<'a, R: StreamRuntime> From<&'a FusionTensor<R>> for Operand<'a, R> {
@@ -519,21 +511,12 @@ impl<R: StreamRuntime> FusionClient<R> {
 /// assert_eq!(out[0].to_vec::<f32>()?, vec![1.0, 2.0]);
 /// # Ok::<(), fusion_streams::Error>(())
 /// ```
+#[derive(Debug)]
 pub struct OpBuilder<'a, R: StreamRuntime> {
     client: &'a FusionClient<R>,
     name: Cow<'static, str>,
     operands: Operands<'a, R>,
     outputs: SmallVec<[(Shape, DType); 1]>,
-}
-
-impl<R: StreamRuntime> fmt::Debug for OpBuilder<'_, R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpBuilder")
-            .field("name", &self.name)
-            .field("operands", &self.operands)
-            .field("outputs", &self.outputs)
-            .finish()
-    }
 }
 
 impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
@@ -561,21 +544,17 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
         self,
         executor: E,
     ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
-        let (name, outputs) = (self.name, self.outputs);
-        let build = move |inputs: SmallVec<[TensorIr; 2]>| {
+        self.register(|name, inputs, outputs| {
             Ok(CustomOperation {
                 ir: CustomOpIr {
                     id: name.into_owned(),
                     inputs: inputs.into_vec(),
-                    outputs: fresh_outputs(outputs).into_vec(),
+                    outputs: outputs.into_vec(),
                 },
                 executor,
                 _runtime: std::marker::PhantomData,
             })
-        };
-        self.client
-            .register(self.operands, build)
-            .map(SmallVec::into_vec)
+        })
     }
 
     /// Queue a [`FallibleOperation`] recorded as the [`OperationIr`] it describes.
@@ -591,9 +570,7 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
     where
         O: FallibleOperation<R> + 'static,
     {
-        let (name, outputs) = (self.name, self.outputs);
-        let build = move |inputs: SmallVec<[TensorIr; 2]>| {
-            let outputs = fresh_outputs(outputs);
+        self.register(|name, inputs, outputs| {
             let (repr, operation) = build(&inputs, &outputs);
             validate_repr(&name, &repr, &inputs, &outputs)?;
             Ok(WithRepr {
@@ -603,10 +580,7 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
                 outputs,
                 operation,
             })
-        };
-        self.client
-            .register(self.operands, build)
-            .map(SmallVec::into_vec)
+        })
     }
 
     /// Queue a burn [`burn_fusion::stream::Operation`] through the [`BurnOperation`] adapter,
@@ -622,6 +596,22 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
             let (repr, op) = build(inputs, outputs);
             (repr, BurnOperation(op))
         })
+    }
+    /// Register the operation `build` makes from this builder's name, the operand IRs and the
+    /// declared outputs (under fresh ids).
+    fn register<B: IntoQueued<R>>(
+        self,
+        build: impl FnOnce(
+            Cow<'static, str>,
+            SmallVec<[TensorIr; 2]>,
+            SmallVec<[TensorIr; 1]>,
+        ) -> Result<B>,
+    ) -> Result<Vec<FusionTensor<R>>, Rejected<FusionTensor<R>>> {
+        let (name, outputs) = (self.name, self.outputs);
+        let build = move |inputs| build(name, inputs, fresh_outputs(outputs));
+        self.client
+            .register(self.operands, build)
+            .map(SmallVec::into_vec)
     }
 }
 

@@ -8,6 +8,7 @@ use crate::runtime::{PinnedHostBuffer, TransferRuntime};
 use crate::{Error, FusionTensor};
 
 /// A value [`crate::transfer::HeldSession::publish`] refused before enqueueing anything.
+#[derive(Debug)]
 pub struct PublicationRejected<R: StreamRuntime> {
     /// The value, unchanged: still a live tensor of its client.
     pub value: FusionTensor<R>,
@@ -15,17 +16,9 @@ pub struct PublicationRejected<R: StreamRuntime> {
     pub reason: Error,
 }
 
-impl<R: StreamRuntime> fmt::Debug for PublicationRejected<R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PublicationRejected")
-            .field("value", &self.value)
-            .field("reason", &self.reason)
-            .finish()
-    }
-}
-
 /// A publication that could not be admitted, or whose completion could not be proven.
 #[non_exhaustive]
+#[derive(Debug)]
 pub enum PublicationAdmissionError<R: StreamRuntime> {
     /// Nothing was enqueued, so the caller keeps the value.
     Rejected(Box<PublicationRejected<R>>),
@@ -44,21 +37,6 @@ impl<R: StreamRuntime> PublicationAdmissionError<R> {
         match self {
             PublicationAdmissionError::Rejected(r) => &r.reason,
             PublicationAdmissionError::Unproven { error } => error,
-        }
-    }
-}
-
-impl<R: StreamRuntime> fmt::Debug for PublicationAdmissionError<R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PublicationAdmissionError::Rejected(r) => f
-                .debug_struct("Rejected")
-                .field("value", &r.value)
-                .field("reason", &r.reason)
-                .finish(),
-            PublicationAdmissionError::Unproven { error } => {
-                f.debug_struct("Unproven").field("error", error).finish()
-            }
         }
     }
 }
@@ -83,6 +61,7 @@ impl<R: StreamRuntime> std::error::Error for PublicationAdmissionError<R> {
 }
 
 /// A download [`SourcePublication::download_into`] refused before enqueueing anything.
+#[derive(Debug)]
 pub struct DownloadRejected<R: TransferRuntime> {
     /// The publication, frontier included, as it was.
     pub publication: SourcePublication<R>,
@@ -92,19 +71,10 @@ pub struct DownloadRejected<R: TransferRuntime> {
     pub reason: Error,
 }
 
-impl<R: TransferRuntime> fmt::Debug for DownloadRejected<R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DownloadRejected")
-            .field("publication", &self.publication)
-            .field("buffer", &self.buffer)
-            .field("reason", &self.reason)
-            .finish()
-    }
-}
-
 /// The transfer's error carrier: consumption can refuse before any enqueue and must then hand
 /// both submitted owners back.
 #[non_exhaustive]
+#[derive(Debug)]
 pub enum PublicationError<R: TransferRuntime> {
     /// Nothing was enqueued: the publication and the buffer come back.
     Rejected(Box<DownloadRejected<R>>),
@@ -125,19 +95,6 @@ impl<R: TransferRuntime> PublicationError<R> {
                 let r = *r;
                 (r.publication, r.buffer, r.reason)
             }
-        }
-    }
-}
-
-impl<R: TransferRuntime> fmt::Debug for PublicationError<R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PublicationError::Rejected(r) => f
-                .debug_struct("Rejected")
-                .field("publication", &r.publication)
-                .field("buffer", &r.buffer)
-                .field("reason", &r.reason)
-                .finish(),
         }
     }
 }

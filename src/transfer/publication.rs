@@ -8,7 +8,7 @@ use burn_backend::{DType, Shape, StreamId, TensorData};
 
 use super::error::{DownloadFailed, DownloadRejected, PublicationAdmissionError, PublicationError};
 use crate::runtime::{PinnedHostBuffer, Retired, TransferRuntime};
-use crate::{Error, Result};
+use crate::{Error, FusionTensor, Result};
 
 /// What a publication retains: the runtime pin, the value's source (the one owner of its
 /// allocation once the engine id is released), and the frontier recorded on the captured stream.
@@ -55,13 +55,12 @@ pub struct SourcePublication<R: TransferRuntime> {
 }
 
 impl<R: TransferRuntime> SourcePublication<R> {
+    /// The publication of `value`, whose allocation `source` now owns, `bytes` long.
     pub(crate) fn new(
         context: Arc<R::Context>,
-        source: R::Source,
-        frontier: R::Event,
+        (source, frontier): (R::Source, R::Event),
         stream: StreamId,
-        shape: Shape,
-        dtype: DType,
+        value: &FusionTensor<R>,
         bytes: usize,
     ) -> Self {
         Self {
@@ -71,8 +70,8 @@ impl<R: TransferRuntime> SourcePublication<R> {
                 source,
                 frontier,
                 stream,
-                shape,
-                dtype,
+                shape: value.shape().clone(),
+                dtype: value.dtype(),
                 failure: None,
             }),
         }

@@ -212,23 +212,15 @@ impl<R: TransferRuntime> HeldSession<R> {
             let context = self.client.context().clone();
             let (shape, dtype) = (value.shape(), value.dtype());
             let recorded = R::record_frontier(&context, stream, handle, shape, dtype);
-            let (source, frontier) = match recorded {
-                Ok(frontier) => frontier,
+            let recorded = match recorded {
+                Ok(recorded) => recorded,
                 Err(error) => {
                     tracing::debug!(%stream, %error, "publication unproven");
                     return Err(PublicationAdmissionError::Unproven { error });
                 }
             };
             tracing::trace!(%stream, tensor = %value.id(), "published");
-            let publication = SourcePublication::new(
-                context,
-                source,
-                frontier,
-                stream,
-                value.shape().clone(),
-                value.dtype(),
-                bytes,
-            );
+            let publication = SourcePublication::new(context, recorded, stream, &value, bytes);
             // The publication owns the allocation now; the engine id goes.
             drop(value);
             Ok(publication)
