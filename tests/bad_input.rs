@@ -1,5 +1,7 @@
-//! Bad input through the public API: a clear, typed error every time — never a panic, never a
-//! hang — and whatever the call took is handed back.
+//! Bad input through the public API, refused before anything is queued: a clear, typed error
+//! every time — never a panic, never a hang — and whatever the call took is handed back.
+//! Failures after queueing (an operation's error or panic, a device failure) are in
+//! `faults.rs`; operations built with `FusionClient::op` in `custom_ops.rs`.
 
 mod common;
 
@@ -15,16 +17,26 @@ fn mismatched_shapes_are_refused_with_the_operands_back() {
     let c = client();
     let a = f32s(&c, &[1.0, 2.0]);
     let b = f32s(&c, &[1.0, 2.0, 3.0]);
-    assert!(matches!(a.add(&b), Err(Error::ShapeMismatch { .. })));
+    let registered = c.stats().ops_registered;
+    assert!(matches!(a.add(&b), Err(Error::ShapeMismatch { op, .. }) if &*op == "add"));
+    assert!(matches!(a.matmul(&b), Err(Error::ShapeMismatch { op, .. }) if &*op == "matmul"));
     let m = c
         .from_data(TensorData::new(vec![1.0f32; 6], [2, 3]))
         .unwrap();
     assert!(matches!(m.matmul(&m), Err(Error::ShapeMismatch { .. })));
+    assert_eq!(c.stats().ops_registered, registered, "nothing was queued");
+    let (a_id, b_id) = (a.id(), b.id());
     let rejected = c
         .launch(Kernel::Mul, vec![Operand::Consume(a), Operand::Consume(b)])
         .unwrap_err();
     assert!(matches!(rejected.error, Error::ShapeMismatch { .. }));
-    assert_eq!(rejected.returned.len(), 2, "both operands back");
+    let back: Vec<_> = rejected.returned.iter().map(|t| t.id()).collect();
+    assert_eq!(
+        back,
+        vec![a_id, b_id],
+        "both operands back, the same tensors"
+    );
+    assert_eq!(values(&rejected.returned[0]), vec![1.0, 2.0], "untouched");
 }
 
 #[test]
@@ -33,13 +45,51 @@ fn mismatched_dtypes_are_refused() {
     let f = f32s(&c, &[1.0, 2.0]);
     let i = c.from_data(TensorData::new(vec![1i32, 2], [2])).unwrap();
     assert!(matches!(
-        f.add(&i),
-        Err(Error::DTypeMismatch { .. } | Error::UnsupportedDType { .. })
+        f.mul(&i),
+        Err(Error::DTypeMismatch { op, expected: DType::F32, found: DType::I32 }) if &*op == "mul"
     ));
-    assert!(matches!(i.exp(), Err(Error::UnsupportedDType { .. })));
-    // Data whose bytes do not match its dtype and shape.
+    assert!(matches!(
+        i.exp(),
+        Err(Error::UnsupportedDType { op, dtype: DType::I32 }) if &*op == "exp"
+    ));
+    // Integers work where supported.
+    assert_eq!(i.add(&i).unwrap().to_vec::<i32>().unwrap(), vec![2, 4]);
+}
+
+#[test]
+fn malformed_or_unsupported_host_data_is_refused() {
+    let c = client();
+    // Bytes that do not match the dtype and shape.
     let bad = TensorData::from_bytes_vec(vec![0u8; 7], [2], DType::F32);
     assert!(matches!(c.from_data(bad), Err(Error::InvalidData(_))));
+    let unsupported = TensorData::new(vec![1.0f64], [1]);
+    assert!(matches!(
+        c.from_data(unsupported),
+        Err(Error::UnsupportedDType {
+            dtype: DType::F64,
+            ..
+        })
+    ));
+    assert!(c.stats().is_quiescent());
+}
+
+#[test]
+fn a_tensor_of_another_client_on_the_same_device_is_refused() {
+    let c1 = client();
+    let c2 = client();
+    let a = f32s(&c1, &[1.0]);
+    let b = f32s(&c2, &[1.0]);
+    let err = c1.add(&a, &b).unwrap_err();
+    assert!(
+        matches!(err, Error::DeviceMismatch { id, .. } if id == b.id()),
+        "{err:?}"
+    );
+    // Both clients are on the default device: the message says that is the problem.
+    assert!(err.to_string().contains("two clients"), "{err}");
+    let rejected = c1
+        .launch(Kernel::Exp, vec![Operand::Consume(b)])
+        .unwrap_err();
+    assert_eq!(values(&rejected.returned[0]), vec![1.0], "handed back");
 }
 
 #[test]

@@ -4,13 +4,12 @@
 
 mod common;
 
-use burn_backend::{DType, TensorData};
+use burn_backend::DType;
 use burn_fusion::stream::Operation;
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, UnaryOpIr};
 use common::*;
+use fusion_streams::Error;
 use fusion_streams::host::{HostHandle, HostRuntime};
-use fusion_streams::runtime::Kernel;
-use fusion_streams::{Error, Operand};
 
 type Handles = HandleContainer<HostHandle>;
 

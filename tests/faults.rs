@@ -122,11 +122,20 @@ fn fault_an_operation_that_panics() {
     let by = Bystanders::new(&c);
     let x = f32s(&c, &[1.0]);
     let failed = failing_op(&c, &x, true);
+    let downstream = failed.exp().unwrap();
     assert!(matches!(
         failed.read().unwrap_err(),
         Error::OperationPanicked { ref op, ref message } if &**op == "panics" && &**message == "injected panic"
     ));
-    drop((x, failed));
+    // The panic is contained, and what it skipped says why.
+    let error = downstream.read().unwrap_err();
+    assert!(error.is_propagated(), "{error:?}");
+    assert_eq!(
+        error.to_string(),
+        "operation `panics` panicked: injected panic \
+         (propagated: `exp` was skipped because its input carried this error)"
+    );
+    drop((x, failed, downstream));
     by.finish(0);
 }
 
@@ -136,10 +145,24 @@ fn fault_a_kernel_that_fails_at_execution_time() {
     let by = Bystanders::new(&c);
     let x = f32s(&c, &[1.0, 2.0]);
     let failed = c.fail_on_device(&x).unwrap(); // dispatch succeeds; the device side fails
-    let downstream = failed.scale(2.0).unwrap();
-    for t in [&failed, &downstream] {
-        assert!(matches!(t.read().unwrap_err(), Error::KernelFailed { .. }));
-    }
+    let downstream = failed.scale(2.0).unwrap().add(&x).unwrap();
+    c.drain();
+    // The engine saw successful dispatches: the failure is the device's.
+    assert_eq!(c.stats().ops_failed, 0);
+    let error = downstream.read().unwrap_err();
+    assert!(
+        matches!(&error, Error::KernelFailed { kernel, .. } if &**kernel == "fail_on_device"),
+        "{error:?}"
+    );
+    assert_eq!(
+        failed.read().unwrap_err(),
+        error,
+        "the same error on every dependant"
+    );
+    settle(&c);
+    let kernels_failed = host(&c).kernels_failed;
+    assert_eq!(kernels_failed, 3, "the failure and its two dependants");
+    assert_eq!(values(&x), vec![1.0, 2.0], "the input is untouched");
     drop((x, failed, downstream));
     by.finish(0);
 }
