@@ -146,19 +146,18 @@ fn drops_during_a_panic_do_not_deadlock_and_leak_nothing() {
 /// handle at once, while an operation still queued on the home stream read it.
 #[test]
 fn consuming_read_on_a_foreign_thread_waits_for_pending_readers() {
-    let c = client();
-    let x = f32s(&c, &[1.0, 2.0]);
-    let y = x.scale(3.0).unwrap(); // pending, reads x
-    let peer = Peer::spawn();
-    let read = peer.run(move || x.into_data().unwrap().to_vec::<f32>().unwrap());
-    assert_eq!(read, vec![1.0, 2.0]);
-    assert_eq!(
-        values(&y),
-        vec![3.0, 6.0],
-        "the pending reader still found x"
-    );
-    drop(y);
-    assert_nothing_held(&c);
+    leak_checked(|c| {
+        let x = f32s(&c, &[1.0, 2.0]);
+        let y = x.scale(3.0).unwrap(); // pending, reads x
+        let peer = Peer::spawn();
+        let read = peer.run(move || x.into_data().unwrap().to_vec::<f32>().unwrap());
+        assert_eq!(read, vec![1.0, 2.0]);
+        assert_eq!(
+            values(&y),
+            vec![3.0, 6.0],
+            "the pending reader still found x"
+        );
+    });
 }
 
 /// Regression (found on the H200): a thread's exit drain ran its queued operations on the exiting

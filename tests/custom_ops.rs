@@ -6,12 +6,10 @@ mod common;
 
 use burn_backend::DType;
 use burn_fusion::stream::Operation;
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, UnaryOpIr};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr, UnaryOpIr};
 use common::*;
 use fusion_streams::Error;
-use fusion_streams::host::{HostHandle, HostRuntime};
-
-type Handles = HandleContainer<HostHandle>;
+use fusion_streams::host::HostRuntime;
 
 /// A burn operation, written the way burn's own ops are: it holds its IR and reads/registers
 /// handles in `execute`.

@@ -4,10 +4,8 @@
 
 mod common;
 
-use burn_backend::DType;
-use burn_ir::{CustomOpIr, HandleContainer};
 use common::*;
-use fusion_streams::host::{HostDevice, HostHandle};
+use fusion_streams::host::HostDevice;
 use fusion_streams::runtime::Kernel;
 use fusion_streams::{EngineConfig, Error, FusionClient, Operand};
 
@@ -100,15 +98,9 @@ fn results_that_outlive_the_run_are_written_and_dropped_ones_are_not() {
 fn an_input_with_an_error_record_cuts_the_run() {
     let program = |c: &Client| {
         let x = f32s(c, &[1.0, 2.0]);
-        let bad = c
-            .op("boom")
-            .read(&x)
-            .output([2], DType::F32)
-            .execute(|_: &CustomOpIr, _: &mut HandleContainer<HostHandle>| {
-                Err(Error::operation("boom", "injected"))
-            })
-            .unwrap()
-            .remove(0);
+        let bad = custom_op(c, "boom", &x, [2], |_: &_, _: &mut _| {
+            Err(Error::operation("boom", "injected"))
+        });
         let a = x.scale(2.0).unwrap().exp().unwrap();
         let b = bad.scale(3.0).unwrap().add(&a).unwrap();
         let d = a.mul(&x).unwrap().scale(0.5).unwrap();

@@ -193,24 +193,13 @@ fn home_drops_enqueue_and_foreign_drops_never_touch_the_queue() {
     assert!(!c.streams().holds(main, x_id).unwrap());
 }
 
-fn failing_op(c: &Client, input: &Tensor) -> Tensor {
-    c.op("boom")
-        .read(input)
-        .output(input.shape().clone(), DType::F32)
-        .execute(|_: &CustomOpIr, _: &mut HandleContainer<HostHandle>| {
-            Err(Error::operation("boom", "injected failure"))
-        })
-        .unwrap()
-        .remove(0)
-}
-
 /// Errors travel with data: the failing op's outputs carry the error, downstream ops are skipped
 /// and propagate it, a share carries it, the read returns it, and `drain` reports nothing.
 #[test]
 fn errors_travel_with_the_data_to_the_read() {
     let c = client();
     let x = f32s(&c, &[1.0]);
-    let bad = failing_op(&c, &x);
+    let bad = failing_op(&c, "boom", &x, "injected failure");
     let downstream = bad.scale(2.0).unwrap().add(&x).unwrap();
     let healthy = x.scale(5.0).unwrap();
     c.drain(); // reports nothing

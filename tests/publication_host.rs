@@ -13,6 +13,7 @@ use fusion_streams::host::{HostContext, HostRuntime};
 use fusion_streams::transfer::{
     HeldSession, PendingDownload, PinnedHostBuffer, PublicationAdmissionError, SourcePublication,
 };
+use suite::suite;
 
 type Publication = SourcePublication<HostRuntime>;
 
@@ -32,17 +33,17 @@ fn retirement(context: &HostContext) -> fusion_streams::runtime::RetirementStats
     context.retirement().stats()
 }
 
-/// The host device counts its buffers.
-fn counters() -> suite::Counters<HostRuntime> {
-    suite::Counters {
-        live_buffers: |c: &Client| Some(host(c).live_buffers()),
-        in_place_reuses: |c: &Client| Some(host(c).in_place_reuses),
+// Publication's shared properties (`suite/publication.rs`) on the host runtime.
+suite! {
+    {}
+    suite::publication {
+        a_publication_survives_its_session(&client());
+        forgetting_a_publication_leaks_it_in_place(client(), &suite::Counters::host());
+        a_refused_publication_returns_the_value(client);
+        a_wrong_length_buffer_is_refused_with_both_owners_back(&client());
+        one_session_per_stream(client);
+        a_pinned_buffer_is_reused_across_downloads(&client());
     }
-}
-
-#[test]
-fn a_publication_survives_its_session() {
-    suite::publication::a_publication_survives_its_session(&client());
 }
 
 #[test]
@@ -56,35 +57,10 @@ fn a_publication_outlives_its_session_client_and_tensors() {
 }
 
 #[test]
-fn forgetting_a_publication_leaks_it_in_place() {
-    suite::publication::forgetting_a_publication_leaks_it_in_place(client(), &counters());
-}
-
-#[test]
-fn a_refused_publication_returns_the_value() {
-    suite::publication::a_refused_publication_returns_the_value(client);
-}
-
-#[test]
-fn a_wrong_length_buffer_is_refused_with_both_owners_back() {
-    suite::publication::a_wrong_length_buffer_is_refused_with_both_owners_back(&client());
-}
-
-#[test]
-fn one_session_per_stream() {
-    suite::publication::one_session_per_stream(client);
-}
-
-#[test]
-fn a_pinned_buffer_is_reused_across_downloads() {
-    suite::publication::a_pinned_buffer_is_reused_across_downloads(&client());
-}
-
-#[test]
 fn a_value_from_another_stream_is_published_after_its_producer_ran() {
-    let c = client();
-    suite::publication::a_value_from_another_stream_is_published_after_its_producer_ran(&c);
-    assert_nothing_held(&c);
+    leak_checked(|c| {
+        suite::publication::a_value_from_another_stream_is_published_after_its_producer_ran(&c);
+    });
 }
 
 /// "Producer frontier": publish right after a deliberately large producer — the frontier is

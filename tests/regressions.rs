@@ -9,14 +9,12 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use burn_backend::{DType, StreamId};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr, UnaryOpIr};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr, UnaryOpIr};
 use common::*;
-use fusion_streams::host::{HostDevice, HostHandle, HostRuntime};
+use fusion_streams::host::{HostDevice, HostRuntime};
 use fusion_streams::runtime::TransferRuntime;
 use fusion_streams::transfer::PinnedHostBuffer;
 use fusion_streams::{EngineConfig, Error, FallibleOperation, FusionClient, Operand};
-
-type Handles = HandleContainer<HostHandle>;
 
 /// Run `f` on its own thread; fail the test if it has not finished within `limit` (a deadlock
 /// check, not a timing assertion: the limits are orders of magnitude above the work's cost).
@@ -202,75 +200,75 @@ fn inspection_from_inside_an_executor_does_not_deadlock() {
 /// back as a different one (new id, new home). `returned` must be exactly what was handed over.
 #[test]
 fn a_rejected_operation_hands_back_exactly_the_tensors_given() {
-    let c = client();
-    let peer = Peer::spawn();
-    let c2 = c.clone();
-    let (borrowed, handed) = peer.run(move || (f32s(&c2, &[1.0]), f32s(&c2, &[2.0])));
-    let (handed_id, handed_stream) = (handed.id(), handed.stream());
-    let local = f32s(&c, &[3.0]);
-    let local_id = local.id();
-    let before = c.stats();
+    leak_checked(|c| {
+        let peer = Peer::spawn();
+        let c2 = c.clone();
+        let (borrowed, handed) = peer.run(move || (f32s(&c2, &[1.0]), f32s(&c2, &[2.0])));
+        let (handed_id, handed_stream) = (handed.id(), handed.stream());
+        let local = f32s(&c, &[3.0]);
+        let local_id = local.id();
+        let before = c.stats();
 
-    #[derive(Debug)]
-    struct Never;
-    impl FallibleOperation<HostRuntime> for Never {
-        fn execute(&self, _: &mut Handles) -> fusion_streams::Result<()> {
-            unreachable!("a rejected operation never runs")
+        #[derive(Debug)]
+        struct Never;
+        impl FallibleOperation<HostRuntime> for Never {
+            fn execute(&self, _: &mut Handles) -> fusion_streams::Result<()> {
+                unreachable!("a rejected operation never runs")
+            }
         }
-    }
-    let rejected = c
-        .op("bad_ir")
-        .read(&borrowed)
-        .consume(handed)
-        .consume(local)
-        .output([1], DType::F32)
-        .execute_operation(|inputs: &[TensorIr], outputs: &[TensorIr]| {
-            // Names only the first input: inconsistent with the registration.
-            let repr = OperationIr::Float(
-                DType::F32,
-                burn_ir::FloatOperationIr::Exp(UnaryOpIr {
-                    input: inputs[0].clone(),
-                    out: outputs[0].clone(),
-                }),
-            );
-            (repr, Never)
-        })
-        .unwrap_err();
-    assert!(matches!(rejected.error, Error::InvalidOperation { .. }));
-    let returned: Vec<_> = rejected
-        .returned
-        .iter()
-        .map(|t| (t.id(), t.stream()))
-        .collect();
-    assert_eq!(
-        returned,
-        vec![(handed_id, handed_stream), (local_id, StreamId::current())],
-        "exactly the handed-over tensors, unchanged, in order"
-    );
-    assert_eq!(c.stats().shares, before.shares, "no view was minted");
-    assert_eq!(values(&rejected.returned[0]), vec![2.0]);
-    assert_eq!(values(&borrowed), vec![1.0]);
-    // The same through `launch` with a bad arity, and `execute_burn`-style rejection paths share
-    // the code above; a foreign consumed operand of a refused kernel also comes back unchanged.
-    let rejected = c
-        .launch(
-            fusion_streams::runtime::Kernel::Add,
-            [Operand::Consume(
-                rejected.returned.into_iter().next().unwrap(),
-            )],
-        )
-        .unwrap_err();
-    assert_eq!(
-        rejected
+        let rejected = c
+            .op("bad_ir")
+            .read(&borrowed)
+            .consume(handed)
+            .consume(local)
+            .output([1], DType::F32)
+            .execute_operation(|inputs: &[TensorIr], outputs: &[TensorIr]| {
+                // Names only the first input: inconsistent with the registration.
+                let repr = OperationIr::Float(
+                    DType::F32,
+                    burn_ir::FloatOperationIr::Exp(UnaryOpIr {
+                        input: inputs[0].clone(),
+                        out: outputs[0].clone(),
+                    }),
+                );
+                (repr, Never)
+            })
+            .unwrap_err();
+        assert!(matches!(rejected.error, Error::InvalidOperation { .. }));
+        let returned: Vec<_> = rejected
             .returned
             .iter()
             .map(|t| (t.id(), t.stream()))
-            .collect::<Vec<_>>(),
-        vec![(handed_id, handed_stream)]
-    );
-    drop((rejected, borrowed));
-    peer.join();
-    assert_nothing_held(&c);
+            .collect();
+        assert_eq!(
+            returned,
+            vec![(handed_id, handed_stream), (local_id, StreamId::current())],
+            "exactly the handed-over tensors, unchanged, in order"
+        );
+        assert_eq!(c.stats().shares, before.shares, "no view was minted");
+        assert_eq!(values(&rejected.returned[0]), vec![2.0]);
+        assert_eq!(values(&borrowed), vec![1.0]);
+        // The same through `launch` with a bad arity, and `execute_burn`-style rejection paths share
+        // the code above; a foreign consumed operand of a refused kernel also comes back unchanged.
+        let rejected = c
+            .launch(
+                fusion_streams::runtime::Kernel::Add,
+                [Operand::Consume(
+                    rejected.returned.into_iter().next().unwrap(),
+                )],
+            )
+            .unwrap_err();
+        assert_eq!(
+            rejected
+                .returned
+                .iter()
+                .map(|t| (t.id(), t.stream()))
+                .collect::<Vec<_>>(),
+            vec![(handed_id, handed_stream)]
+        );
+        drop((rejected, borrowed));
+        peer.join();
+    });
 }
 
 /// An executor capture whose destructor panics was dropped outside the error scope: the panic
@@ -287,18 +285,10 @@ fn a_panicking_capture_destructor_stays_inside_the_error_scope() {
     let c = client();
     let x = f32s(&c, &[1.0, 2.0]);
     let capture = PanicsOnDrop;
-    let first = c
-        .op("panicky_capture")
-        .read(&x)
-        .output([2], DType::F32)
-        .execute(move |op: &CustomOpIr, handles: &mut Handles| {
-            let _keep = &capture;
-            let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
-            handles.register_handle(op.outputs[0].id, input);
-            Ok(())
-        })
-        .unwrap()
-        .remove(0);
+    let first = custom_op(&c, "panicky_capture", &x, [2], move |op: &_, h: &mut _| {
+        let _keep = &capture;
+        pass_through(op, h)
+    });
     let temporary = x.scale(10.0).unwrap();
     drop(temporary); // a queued free behind the panicking op
     let behind = x.scale(2.0).unwrap();
@@ -446,69 +436,50 @@ fn a_deferred_free_under_an_idle_home_thread_happens_within_the_bound() {
 /// retiring it: the exited thread's stream stayed in the engine forever.
 #[test]
 fn an_orphan_emptied_by_a_posted_free_is_retired() {
-    let c = client();
-    let c2 = c.clone();
-    let x = f32s(&c, &[1.0]);
-    let orphaned = std::thread::spawn(move || f32s(&c2, &[7.0]))
-        .join()
-        .unwrap();
-    let streams_with_orphan = c.stats().streams;
-    assert_eq!(streams_with_orphan, 2, "this thread's and the orphan");
-    let slot = Arc::new(Mutex::new(Some(orphaned)));
-    let slot2 = slot.clone();
-    let out = c
-        .op("drops_inside")
-        .read(&x)
-        .output([1], DType::F32)
-        .execute(move |op: &CustomOpIr, handles: &mut Handles| {
+    leak_checked(|c| {
+        let c2 = c.clone();
+        let x = f32s(&c, &[1.0]);
+        let orphaned = std::thread::spawn(move || f32s(&c2, &[7.0]))
+            .join()
+            .unwrap();
+        let streams_with_orphan = c.stats().streams;
+        assert_eq!(streams_with_orphan, 2, "this thread's and the orphan");
+        let slot = Arc::new(Mutex::new(Some(orphaned)));
+        let slot2 = slot.clone();
+        let out = custom_op(&c, "drops_inside", &x, [1], move |op: &_, h: &mut _| {
             drop(slot2.lock().unwrap().take()); // the orphan's last tensor, dropped in the engine
-            let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
-            handles.register_handle(op.outputs[0].id, input);
-            Ok(())
-        })
-        .unwrap()
-        .remove(0);
-    assert_eq!(values(&out), vec![1.0]);
-    assert!(slot.lock().unwrap().is_none());
-    assert_eq!(
-        c.stats().streams,
-        streams_with_orphan - 1,
-        "the emptied orphan is retired"
-    );
-    drop((x, out));
-    assert_nothing_held(&c);
+            pass_through(op, h)
+        });
+        assert_eq!(values(&out), vec![1.0]);
+        assert!(slot.lock().unwrap().is_none());
+        assert_eq!(
+            c.stats().streams,
+            streams_with_orphan - 1,
+            "the emptied orphan is retired"
+        );
+    });
 }
 
 /// A custom op that registered a buffer smaller than its declared output made `read()` panic
 /// inside burn's `TensorData::new`.
 #[test]
 fn a_custom_op_output_smaller_than_its_shape_is_a_typed_error_on_read() {
-    let c = client();
-    let x = f32s(&c, &[1.0, 2.0]);
-    let out = c
-        .op("short_output")
-        .read(&x)
-        .output([4], DType::F32)
-        .execute(|op: &CustomOpIr, handles: &mut Handles| {
-            let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
-            handles.register_handle(op.outputs[0].id, input); // 2 elements for a [4] output
-            Ok(())
-        })
-        .unwrap()
-        .remove(0);
-    assert!(
-        matches!(
-            out.read(),
-            Err(Error::BufferSize {
-                expected: 16,
-                found: 8
-            })
-        ),
-        "{:?}",
-        out.read()
-    );
-    drop((x, out));
-    assert_nothing_held(&c);
+    leak_checked(|c| {
+        let x = f32s(&c, &[1.0, 2.0]);
+        // The input's 2 elements become the [4] output.
+        let out = custom_op(&c, "short_output", &x, [4], pass_through);
+        assert!(
+            matches!(
+                out.read(),
+                Err(Error::BufferSize {
+                    expected: 16,
+                    found: 8
+                })
+            ),
+            "{:?}",
+            out.read()
+        );
+    });
 }
 
 /// A consuming read (`into_data`) on the home thread queued the id's free behind the stream's
@@ -520,31 +491,31 @@ fn a_custom_op_output_smaller_than_its_shape_is_a_typed_error_on_read() {
 /// and the id is freed in the same step.
 #[test]
 fn a_consuming_read_with_nothing_queued_takes_the_handle_itself() {
-    let c = client();
-    let x = f32s(&c, &[1.0, 2.0]);
-    let y = x.scale(2.0).unwrap();
-    let before = c.stats();
-    assert_eq!(y.into_data().unwrap().to_vec::<f32>().unwrap(), [2.0, 4.0]);
-    let after = c.stats();
-    assert_eq!(after.pending_ops, 0, "no free queued behind: {after:?}");
-    assert_eq!(after.live_handles, 1, "only `x` is left: {after:?}");
-    assert_eq!(
-        after.frees,
-        before.frees + 1,
-        "freed with the read: {after:?}"
-    );
-    assert_eq!(after.home_drops, before.home_drops + 1, "{after:?}");
-    // A shared view keeps the buffer: the reader of the last tensor of one id takes that id's
-    // handle, a second owner of the buffer.
-    let z = x.scale(3.0).unwrap();
-    let z_elsewhere = Peer::spawn();
-    let view = z_elsewhere.run({
-        let z = z.clone();
-        move || z.clone()
+    leak_checked(|c| {
+        let x = f32s(&c, &[1.0, 2.0]);
+        let y = x.scale(2.0).unwrap();
+        let before = c.stats();
+        assert_eq!(y.into_data().unwrap().to_vec::<f32>().unwrap(), [2.0, 4.0]);
+        let after = c.stats();
+        assert_eq!(after.pending_ops, 0, "no free queued behind: {after:?}");
+        assert_eq!(after.live_handles, 1, "only `x` is left: {after:?}");
+        assert_eq!(
+            after.frees,
+            before.frees + 1,
+            "freed with the read: {after:?}"
+        );
+        assert_eq!(after.home_drops, before.home_drops + 1, "{after:?}");
+        // A shared view keeps the buffer: the reader of the last tensor of one id takes that id's
+        // handle, a second owner of the buffer.
+        let z = x.scale(3.0).unwrap();
+        let z_elsewhere = Peer::spawn();
+        let view = z_elsewhere.run({
+            let z = z.clone();
+            move || z.clone()
+        });
+        assert_eq!(z.into_data().unwrap().to_vec::<f32>().unwrap(), [3.0, 6.0]);
+        assert_eq!(values(&view), [3.0, 6.0]);
+        drop((x, view));
+        z_elsewhere.join();
     });
-    assert_eq!(z.into_data().unwrap().to_vec::<f32>().unwrap(), [3.0, 6.0]);
-    assert_eq!(values(&view), [3.0, 6.0]);
-    drop((x, view));
-    z_elsewhere.join();
-    assert_nothing_held(&c);
 }

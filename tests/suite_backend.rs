@@ -28,46 +28,33 @@ const LARGE: usize = if cfg!(feature = "cuda") {
     1 << 12
 };
 
-/// One test per line: `suite!(module; name(args); ...)` calls `module::name(args)`.
-macro_rules! suite {
-    ($module:path; $($name:ident($($arg:expr),*);)*) => {$(
-        #[test]
-        #[cfg_attr(
-            feature = "cuda",
-            ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"
-        )]
-        fn $name() {
-            use $module as module;
-            module::$name($($arg),*);
+/// The GPU tests are ignored unless asked for.
+macro_rules! on_this_backend {
+    ($macro:path { $($input:tt)* }) => {
+        $macro! {
+            {
+                #[cfg_attr(
+                    feature = "cuda",
+                    ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"
+                )]
+            }
+            $($input)*
         }
-    )*};
+    };
 }
 
-suite! {
-    suite;
-    builtins_match_reference(&client());
-    pending_share_drains_then_aliases(&client());
-    materialised_share_does_not_drain(&client());
-    chained_share_drains_once(&client());
-    every_drop_order_frees_each_id_once(client, &suite::Counters::none());
-    foreign_drop_under_a_pending_reader_is_deferred(&client());
-    errors_travel_across_threads(&client());
-    in_place_is_refused_while_an_alias_lives(&client(), &suite::Counters::none());
-    nothing_leaks_after_cross_thread_work(&client());
-    a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(&client(), LARGE);
-    a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(&client(), LARGE);
-    a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(&client(), LARGE);
-}
-
-// Publication's shared properties (`suite/publication.rs`) on the burn backend's engine.
-suite! {
-    suite::publication;
-    a_publication_survives_its_session(&client());
-    a_publication_outlives_its_session_client_and_tensors(client());
-    forgetting_a_publication_leaks_it_in_place(client(), &suite::Counters::none());
-    a_refused_publication_returns_the_value(client);
-    a_wrong_length_buffer_is_refused_with_both_owners_back(&client());
-    one_session_per_stream(client);
-    a_pinned_buffer_is_reused_across_downloads(&client());
-    a_value_from_another_stream_is_published_after_its_producer_ran(&client());
-}
+// The suite, then publication's shared properties (`suite/publication.rs`), on the burn
+// backend's engine.
+on_this_backend!(suite::cross_thread_suite { client, suite::Counters::none(), LARGE });
+on_this_backend!(suite::suite {
+    suite::publication {
+        a_publication_survives_its_session(&client());
+        a_publication_outlives_its_session_client_and_tensors(client());
+        forgetting_a_publication_leaks_it_in_place(client(), &suite::Counters::none());
+        a_refused_publication_returns_the_value(client);
+        a_wrong_length_buffer_is_refused_with_both_owners_back(&client());
+        one_session_per_stream(client);
+        a_pinned_buffer_is_reused_across_downloads(&client());
+        a_value_from_another_stream_is_published_after_its_producer_ran(&client());
+    }
+});

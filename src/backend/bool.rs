@@ -8,6 +8,7 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
+use super::record::Tensor;
 
 impl<B: IrBackend> BoolTensorOps<Self> for StreamFusion<B> {
     creation_ops!(register_bool_tensor, BoolDType;

@@ -9,6 +9,7 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
+use super::record::Tensor;
 use super::record::record_one;
 
 /// `int_argmax`/`int_argmin`/`int_argtopk`: an int result of the input's dtype.

@@ -34,21 +34,39 @@ macro_rules! wrap {
     };
 }
 
+/// The skeleton every family below fills in: `fn $f(params) -> tensor`, recorded by
+/// `record::$how` (`unary`, `binary`, `scalar` or `record_one`) with `$args`, then the
+/// operation's `OperationIr` (`$fam::$v`, with the dtype of the IR's `$dtype` field, as burn
+/// records it) and its run: the operands it takes from the handles, then the backend call whose
+/// result `$put` registers as the output.
+macro_rules! op {
+    (
+        fn $f:ident($($param:ident: $ty:ty),* $(,)?) = $how:ident($($arg:expr),* $(,)?);
+        repr: $fam:ident::$v:ident(dtype of $dtype:ident);
+        run: |$ir:ident, $h:ident| [$($x:ident = $get:ident($field:ident)),*] => $put:ident($call:expr) $(,)?
+    ) => {
+        fn $f($($param: $ty),*) -> $crate::backend::record::Tensor<B> {
+            $crate::backend::record::$how(
+                stringify!($f),
+                $($arg,)*
+                |ir| wrap!($fam, $v, ir.$dtype.dtype, ir),
+                |$ir, $h| {
+                    $(let $x = $h.$get::<B>(&$ir.$field);)*
+                    $h.$put::<B>(&$ir.out.id, $call);
+                },
+            )
+        }
+    };
+}
+
 /// `fn f(tensor) -> tensor`, recorded as a `UnaryOpIr`. `$get`/`$put` fetch the input and
 /// register the output with the backend's primitive of the right kind.
 macro_rules! unary_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(tensor: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::unary::<B>(
-                stringify!($f),
-                tensor,
-                None,
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let x = h.$get::<B>(&ir.input);
-                    h.$put::<B>(&ir.out.id, B::$f(x));
-                },
-            )
+        op! {
+            fn $f(tensor: Tensor<B>) = unary(tensor, None);
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [x = $get(input)] => $put(B::$f(x)),
         }
     )*};
 }
@@ -56,21 +74,10 @@ macro_rules! unary_ops {
 /// `fn f(lhs, rhs) -> tensor`, recorded as a `BinaryOpIr` (both operands of one kind).
 macro_rules! binary_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(
-            lhs: $crate::backend::record::Tensor<B>,
-            rhs: $crate::backend::record::Tensor<B>,
-        ) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::binary::<B>(
-                stringify!($f),
-                lhs,
-                rhs,
-                None,
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let (l, r) = (h.$get::<B>(&ir.lhs), h.$get::<B>(&ir.rhs));
-                    h.$put::<B>(&ir.out.id, B::$f(l, r));
-                },
-            )
+        op! {
+            fn $f(lhs: Tensor<B>, rhs: Tensor<B>) = binary(lhs, rhs, None);
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [l = $get(lhs), r = $get(rhs)] => $put(B::$f(l, r)),
         }
     )*};
 }
@@ -78,21 +85,10 @@ macro_rules! binary_ops {
 /// `fn f(lhs, rhs: Scalar) -> tensor`, recorded as a `ScalarOpIr`.
 macro_rules! scalar_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(
-            lhs: $crate::backend::record::Tensor<B>,
-            rhs: burn_backend::Scalar,
-        ) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::scalar::<B>(
-                stringify!($f),
-                lhs,
-                rhs.into(),
-                None,
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let l = h.$get::<B>(&ir.lhs);
-                    h.$put::<B>(&ir.out.id, B::$f(l, ir.rhs.into()));
-                },
-            )
+        op! {
+            fn $f(lhs: Tensor<B>, rhs: burn_backend::Scalar) = scalar(lhs, rhs.into(), None);
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [l = $get(lhs)] => $put(B::$f(l, ir.rhs.into())),
         }
     )*};
 }
@@ -100,23 +96,12 @@ macro_rules! scalar_ops {
 /// `fn f(lhs, rhs, out_dtype: BoolDType) -> bool tensor`, recorded as a `BinaryOpIr`.
 macro_rules! compare_ops {
     ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(
-            lhs: $crate::backend::record::Tensor<B>,
-            rhs: $crate::backend::record::Tensor<B>,
-            out_dtype: burn_backend::BoolDType,
-        ) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::binary::<B>(
-                stringify!($f),
-                lhs,
-                rhs,
-                Some(out_dtype.into()),
-                |ir| wrap!($fam, $v, ir.lhs.dtype, ir),
-                |ir, h| {
-                    let (l, r) = (h.$get::<B>(&ir.lhs), h.$get::<B>(&ir.rhs));
-                    let out = B::$f(l, r, ir.out.dtype.into());
-                    h.register_bool_tensor::<B>(&ir.out.id, out);
-                },
-            )
+        op! {
+            fn $f(lhs: Tensor<B>, rhs: Tensor<B>, out_dtype: burn_backend::BoolDType) =
+                binary(lhs, rhs, Some(out_dtype.into()));
+            repr: $fam::$v(dtype of lhs);
+            run: |ir, h| [l = $get(lhs), r = $get(rhs)] =>
+                register_bool_tensor(B::$f(l, r, ir.out.dtype.into())),
         }
     )*};
 }
@@ -124,23 +109,12 @@ macro_rules! compare_ops {
 /// `fn f(lhs, rhs: Scalar, out_dtype: BoolDType) -> bool tensor`, recorded as a `ScalarOpIr`.
 macro_rules! compare_scalar_ops {
     ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(
-            lhs: $crate::backend::record::Tensor<B>,
-            rhs: burn_backend::Scalar,
-            out_dtype: burn_backend::BoolDType,
-        ) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::scalar::<B>(
-                stringify!($f),
-                lhs,
-                rhs.into(),
-                Some(out_dtype.into()),
-                |ir| wrap!($fam, $v, ir.lhs.dtype, ir),
-                |ir, h| {
-                    let l = h.$get::<B>(&ir.lhs);
-                    let out = B::$f(l, ir.rhs.into(), ir.out.dtype.into());
-                    h.register_bool_tensor::<B>(&ir.out.id, out);
-                },
-            )
+        op! {
+            fn $f(lhs: Tensor<B>, rhs: burn_backend::Scalar, out_dtype: burn_backend::BoolDType) =
+                scalar(lhs, rhs.into(), Some(out_dtype.into()));
+            repr: $fam::$v(dtype of lhs);
+            run: |ir, h| [l = $get(lhs)] =>
+                register_bool_tensor(B::$f(l, ir.rhs.into(), ir.out.dtype.into())),
         }
     )*};
 }
@@ -148,16 +122,11 @@ macro_rules! compare_scalar_ops {
 /// `fn f(tensor) -> tensor` reducing every element to one, recorded as a `ReduceOpIr`.
 macro_rules! reduce_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(tensor: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f),
-                [tensor],
-                |[tensor], id| burn_ir::ReduceOpIr::create(tensor, id),
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let x = h.$get::<B>(&ir.input);
-                    h.$put::<B>(&ir.out.id, B::$f(x));
-                },
-            )
+        op! {
+            fn $f(tensor: Tensor<B>) =
+                record_one([tensor], |[x], id| burn_ir::ReduceOpIr::create(x, id));
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [x = $get(input)] => $put(B::$f(x)),
         }
     )*};
 }
@@ -165,16 +134,11 @@ macro_rules! reduce_ops {
 /// `fn f(tensor, dim) -> tensor` reducing `dim` to length 1, recorded as a `ReduceDimOpIr`.
 macro_rules! reduce_dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f),
-                [tensor],
-                |[tensor], id| burn_ir::ReduceDimOpIr::create(tensor, dim, 1, id),
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let x = h.$get::<B>(&ir.input);
-                    h.$put::<B>(&ir.out.id, B::$f(x, ir.axis));
-                },
-            )
+        op! {
+            fn $f(tensor: Tensor<B>, dim: usize) =
+                record_one([tensor], |[x], id| burn_ir::ReduceDimOpIr::create(x, dim, 1, id));
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.axis)),
         }
     )*};
 }
@@ -183,21 +147,14 @@ macro_rules! reduce_dim_ops {
 /// `ReduceDimOpIr`.
 macro_rules! arg_reduce_ops {
     ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(
-            tensor: $crate::backend::record::Tensor<B>,
-            dim: usize,
-            out_dtype: burn_backend::IntDType,
-        ) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f),
-                [tensor],
-                |[tensor], id| burn_ir::ReduceDimOpIr::create_arg(tensor, dim, 1, out_dtype.into(), id),
-                |ir| wrap!($fam, $v, ir.input.dtype, ir),
-                |ir, h| {
-                    let x = h.$get::<B>(&ir.input);
-                    let out = B::$f(x, ir.axis, ir.out.dtype.into());
-                    h.register_int_tensor::<B>(&ir.out.id, out);
-                },
-            )
+        op! {
+            fn $f(tensor: Tensor<B>, dim: usize, out_dtype: burn_backend::IntDType) =
+                record_one([tensor], |[x], id| {
+                    burn_ir::ReduceDimOpIr::create_arg(x, dim, 1, out_dtype.into(), id)
+                });
+            repr: $fam::$v(dtype of input);
+            run: |ir, h| [x = $get(input)] =>
+                register_int_tensor(B::$f(x, ir.axis, ir.out.dtype.into())),
         }
     )*};
 }
@@ -205,16 +162,11 @@ macro_rules! arg_reduce_ops {
 /// `fn f(tensor, dim) -> tensor` of the same shape (cumulative ops), recorded as a `DimOpIr`.
 macro_rules! dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f),
-                [tensor],
-                |[tensor], id| burn_ir::DimOpIr::create(tensor, dim, id),
-                |ir| wrap!($fam, $v, ir.out.dtype, ir),
-                |ir, h| {
-                    let x = h.$get::<B>(&ir.input);
-                    h.$put::<B>(&ir.out.id, B::$f(x, ir.axis));
-                },
-            )
+        op! {
+            fn $f(tensor: Tensor<B>, dim: usize) =
+                record_one([tensor], |[x], id| burn_ir::DimOpIr::create(x, dim, id));
+            repr: $fam::$v(dtype of out);
+            run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.axis)),
         }
     )*};
 }
@@ -222,165 +174,136 @@ macro_rules! dim_ops {
 /// The operations every tensor kind has, with the kind's own method names: shape and indexing
 /// ops whose IR is in burn's `BaseOperationIr` family (`$fam` is `BaseFloat`, `BaseInt` or
 /// `BaseBool`). One `role: method` pair per operation; the role picks the signature and IR.
+/// Indices are always int tensors, masks bool tensors.
 macro_rules! base_ops {
     ($get:ident, $put:ident, $fam:ident; $($role:ident: $f:ident),* $(,)?) => {$(
         base_ops!(@$role $f, $get, $put, $fam);
     )*};
-    (@reshape $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::ShapeOpIr::reshape(tensor, shape, id),
-                |ir| wrap!($fam, Reshape, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
-        }
-    };
-    (@expand $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, shape: burn_backend::Shape) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::ShapeOpIr::expand(tensor, shape, id),
-                |ir| wrap!($fam, Expand, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.out.shape.clone())); })
-        }
-    };
-    (@swap_dims $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim1: usize, dim2: usize) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::SwapDimsOpIr::create(tensor, dim1, dim2, id),
-                |ir| wrap!($fam, SwapDims, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim1, ir.dim2)); })
-        }
-    };
-    (@permute $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::PermuteOpIr::create(tensor, axes.to_vec(), id),
-                |ir| wrap!($fam, Permute, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
-        }
-    };
-    (@flip $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, axes: &[usize]) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::FlipOpIr::create(tensor, axes.to_vec(), id),
-                |ir| wrap!($fam, Flip, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, &ir.axes)); })
-        }
-    };
-    (@unfold $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, size: usize, step: usize) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::UnfoldOpIr::create(tensor, dim, size, step, id),
-                |ir| wrap!($fam, Unfold, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.input); h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, ir.size, ir.step)); })
-        }
-    };
-    (@slice $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice]) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor],
-                |[tensor], id| burn_ir::SliceOpIr::create(tensor, slices.to_vec(), id),
-                |ir| wrap!($fam, Slice, ir.out.dtype, ir),
-                |ir, h| { let x = h.$get::<B>(&ir.tensor); h.$put::<B>(&ir.out.id, B::$f(x, &ir.ranges)); })
-        }
-    };
-    (@slice_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, slices: &[burn_backend::Slice], value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, value],
-                |[tensor, value], id| burn_ir::SliceAssignOpIr::create(tensor, slices.to_vec(), value, id),
-                |ir| wrap!($fam, SliceAssign, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, v) = (h.$get::<B>(&ir.tensor), h.$get::<B>(&ir.value));
-                    h.$put::<B>(&ir.out.id, B::$f(x, &ir.ranges, v));
-                })
-        }
-    };
-    (@select $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, indices],
-                |[tensor, indices], id| burn_ir::SelectOpIr::create(tensor, dim, indices, id),
-                |ir| wrap!($fam, Select, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
-                    h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx));
-                })
-        }
-    };
-    (@select_assign $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, dim: usize, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, indices, value],
-                |[tensor, indices, value], id| burn_ir::SelectAssignOpIr::create(tensor, dim, indices, value, burn_backend::tensor::IndexingUpdateOp::Add, id),
-                |ir| wrap!($fam, SelectAssign, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
-                    h.$put::<B>(&ir.out.id, B::$f(x, ir.dim, idx, v));
-                })
-        }
-    };
-    (@gather $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, indices],
-                |[tensor, indices], id| burn_ir::GatherOpIr::create(tensor, dim, indices, id),
-                |ir| wrap!($fam, Gather, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices));
-                    h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx));
-                })
-        }
-    };
-    (@scatter $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(dim: usize, tensor: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, indices, value],
-                |[tensor, indices, value], id| burn_ir::ScatterOpIr::create(tensor, dim, indices, value, burn_backend::tensor::IndexingUpdateOp::Add, id),
-                |ir| wrap!($fam, Scatter, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.tensor), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.value));
-                    h.$put::<B>(&ir.out.id, B::$f(ir.dim, x, idx, v));
-                })
-        }
-    };
-    (@mask_where $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, mask, value],
-                |[tensor, mask, value], id| burn_ir::MaskWhereOpIr::create(tensor, mask, value, id),
-                |ir| wrap!($fam, MaskWhere, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, m, v) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask), h.$get::<B>(&ir.value));
-                    h.$put::<B>(&ir.out.id, B::$f(x, m, v));
-                })
-        }
-    };
-    (@gather_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [data, indices],
-                |[data, indices], id| burn_ir::GatherNdOpIr::create(data, indices, id),
-                |ir| wrap!($fam, GatherNd, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices));
-                    h.$put::<B>(&ir.out.id, B::$f(x, idx));
-                })
-        }
-    };
-    (@scatter_nd $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(data: $crate::backend::record::Tensor<B>, indices: $crate::backend::record::Tensor<B>, values: $crate::backend::record::Tensor<B>, reduction: burn_backend::tensor::IndexingUpdateOp) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [data, indices, values],
-                |[data, indices, values], id| burn_ir::ScatterNdOpIr::create(data, indices, values, reduction, id),
-                |ir| wrap!($fam, ScatterNd, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, idx, v) = (h.$get::<B>(&ir.data), h.take_int::<B>(&ir.indices), h.$get::<B>(&ir.values));
-                    h.$put::<B>(&ir.out.id, B::$f(x, idx, v, ir.reduction));
-                })
-        }
-    };
-    (@mask_fill $f:ident, $get:ident, $put:ident, $fam:ident) => {
-        fn $f(tensor: $crate::backend::record::Tensor<B>, mask: $crate::backend::record::Tensor<B>, value: burn_backend::Scalar) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f), [tensor, mask],
-                |[tensor, mask], id| burn_ir::MaskFillOpIr::create(tensor, mask, value.into(), id),
-                |ir| wrap!($fam, MaskFill, ir.out.dtype, ir),
-                |ir, h| {
-                    let (x, m) = (h.$get::<B>(&ir.tensor), h.take_bool::<B>(&ir.mask));
-                    h.$put::<B>(&ir.out.id, B::$f(x, m, ir.value.into()));
-                })
-        }
-    };
+    (@reshape $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, shape: burn_backend::Shape) =
+            record_one([tensor], |[x], id| burn_ir::ShapeOpIr::reshape(x, shape, id));
+        repr: $fam::Reshape(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.out.shape.clone())),
+    } };
+    (@expand $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, shape: burn_backend::Shape) =
+            record_one([tensor], |[x], id| burn_ir::ShapeOpIr::expand(x, shape, id));
+        repr: $fam::Expand(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.out.shape.clone())),
+    } };
+    (@swap_dims $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, dim1: usize, dim2: usize) =
+            record_one([tensor], |[x], id| burn_ir::SwapDimsOpIr::create(x, dim1, dim2, id));
+        repr: $fam::SwapDims(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.dim1, ir.dim2)),
+    } };
+    (@permute $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, axes: &[usize]) =
+            record_one([tensor], |[x], id| burn_ir::PermuteOpIr::create(x, axes.to_vec(), id));
+        repr: $fam::Permute(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, &ir.axes)),
+    } };
+    (@flip $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, axes: &[usize]) =
+            record_one([tensor], |[x], id| burn_ir::FlipOpIr::create(x, axes.to_vec(), id));
+        repr: $fam::Flip(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, &ir.axes)),
+    } };
+    (@unfold $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, dim: usize, size: usize, step: usize) =
+            record_one([tensor], |[x], id| burn_ir::UnfoldOpIr::create(x, dim, size, step, id));
+        repr: $fam::Unfold(dtype of out);
+        run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.dim, ir.size, ir.step)),
+    } };
+    (@slice $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, slices: &[burn_backend::Slice]) =
+            record_one([tensor], |[x], id| burn_ir::SliceOpIr::create(x, slices.to_vec(), id));
+        repr: $fam::Slice(dtype of out);
+        run: |ir, h| [x = $get(tensor)] => $put(B::$f(x, &ir.ranges)),
+    } };
+    (@slice_assign $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, slices: &[burn_backend::Slice], value: Tensor<B>) =
+            record_one([tensor, value], |[x, value], id| {
+                burn_ir::SliceAssignOpIr::create(x, slices.to_vec(), value, id)
+            });
+        repr: $fam::SliceAssign(dtype of out);
+        run: |ir, h| [x = $get(tensor), v = $get(value)] => $put(B::$f(x, &ir.ranges, v)),
+    } };
+    (@select $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, dim: usize, indices: Tensor<B>) =
+            record_one([tensor, indices], |[x, indices], id| {
+                burn_ir::SelectOpIr::create(x, dim, indices, id)
+            });
+        repr: $fam::Select(dtype of out);
+        run: |ir, h| [x = $get(tensor), i = take_int(indices)] => $put(B::$f(x, ir.dim, i)),
+    } };
+    (@select_assign $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, dim: usize, indices: Tensor<B>, value: Tensor<B>) =
+            record_one([tensor, indices, value], |[x, indices, value], id| {
+                let add = burn_backend::tensor::IndexingUpdateOp::Add;
+                burn_ir::SelectAssignOpIr::create(x, dim, indices, value, add, id)
+            });
+        repr: $fam::SelectAssign(dtype of out);
+        run: |ir, h| [x = $get(tensor), i = take_int(indices), v = $get(value)] =>
+            $put(B::$f(x, ir.dim, i, v)),
+    } };
+    (@gather $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(dim: usize, tensor: Tensor<B>, indices: Tensor<B>) =
+            record_one([tensor, indices], |[x, indices], id| {
+                burn_ir::GatherOpIr::create(x, dim, indices, id)
+            });
+        repr: $fam::Gather(dtype of out);
+        run: |ir, h| [x = $get(tensor), i = take_int(indices)] => $put(B::$f(ir.dim, x, i)),
+    } };
+    (@scatter $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(dim: usize, tensor: Tensor<B>, indices: Tensor<B>, value: Tensor<B>) =
+            record_one([tensor, indices, value], |[x, indices, value], id| {
+                let add = burn_backend::tensor::IndexingUpdateOp::Add;
+                burn_ir::ScatterOpIr::create(x, dim, indices, value, add, id)
+            });
+        repr: $fam::Scatter(dtype of out);
+        run: |ir, h| [x = $get(tensor), i = take_int(indices), v = $get(value)] =>
+            $put(B::$f(ir.dim, x, i, v)),
+    } };
+    (@mask_where $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, mask: Tensor<B>, value: Tensor<B>) =
+            record_one([tensor, mask, value], |[x, mask, value], id| {
+                burn_ir::MaskWhereOpIr::create(x, mask, value, id)
+            });
+        repr: $fam::MaskWhere(dtype of out);
+        run: |ir, h| [x = $get(tensor), m = take_bool(mask), v = $get(value)] =>
+            $put(B::$f(x, m, v)),
+    } };
+    (@mask_fill $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(tensor: Tensor<B>, mask: Tensor<B>, value: burn_backend::Scalar) =
+            record_one([tensor, mask], |[x, mask], id| {
+                burn_ir::MaskFillOpIr::create(x, mask, value.into(), id)
+            });
+        repr: $fam::MaskFill(dtype of out);
+        run: |ir, h| [x = $get(tensor), m = take_bool(mask)] =>
+            $put(B::$f(x, m, ir.value.into())),
+    } };
+    (@gather_nd $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(data: Tensor<B>, indices: Tensor<B>) =
+            record_one([data, indices], |[x, indices], id| {
+                burn_ir::GatherNdOpIr::create(x, indices, id)
+            });
+        repr: $fam::GatherNd(dtype of out);
+        run: |ir, h| [x = $get(data), i = take_int(indices)] => $put(B::$f(x, i)),
+    } };
+    (@scatter_nd $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
+        fn $f(
+            data: Tensor<B>,
+            indices: Tensor<B>,
+            values: Tensor<B>,
+            reduction: burn_backend::tensor::IndexingUpdateOp,
+        ) = record_one([data, indices, values], |[x, indices, values], id| {
+            burn_ir::ScatterNdOpIr::create(x, indices, values, reduction, id)
+        });
+        repr: $fam::ScatterNd(dtype of out);
+        run: |ir, h| [x = $get(data), i = take_int(indices), v = $get(values)] =>
+            $put(B::$f(x, i, v, ir.reduction)),
+    } };
 }
 
 /// The data and device operations every kind has: upload, download (B's future), device, and
@@ -488,5 +411,5 @@ macro_rules! cast_ops {
 
 pub(crate) use {
     arg_reduce_ops, base_ops, binary_ops, cast_ops, compare_ops, compare_scalar_ops, creation_ops,
-    data_ops, dim_ops, random_op, reduce_dim_ops, reduce_ops, scalar_ops, unary_ops, wrap,
+    data_ops, dim_ops, op, random_op, reduce_dim_ops, reduce_ops, scalar_ops, unary_ops, wrap,
 };

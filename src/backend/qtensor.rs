@@ -12,6 +12,7 @@ use super::IrBackend;
 use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
+use super::record::Tensor;
 use super::record::record_one;
 
 impl<B: IrBackend> QTensorOps<Self> for StreamFusion<B> {

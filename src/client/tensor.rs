@@ -9,7 +9,7 @@ use burn_ir::{TensorId, TensorIr, TensorStatus};
 use super::FusionClient;
 use crate::live::{Live, Release};
 use crate::runtime::StreamRuntime;
-use crate::stream::StreamCell;
+use crate::stream::{Reader, StreamCell};
 use crate::{Error, Result};
 
 /// One id's worth of tensor. Every [`FusionTensor`] of the same id on the same stream shares one
@@ -164,7 +164,10 @@ impl<R: StreamRuntime> FusionTensor<R> {
     /// computed from, failed.
     pub fn read(&self) -> Result<TensorData> {
         let inner = &self.inner;
-        let entry = inner.client.streams().read_entry(&inner.home, inner.id)?;
+        let entry = inner
+            .client
+            .streams()
+            .read_entry(&inner.home, inner.id, Reader::Borrower)?;
         inner.client.read_entry(entry, &inner.shape, inner.dtype)
     }
 
@@ -195,7 +198,11 @@ impl<R: StreamRuntime> FusionTensor<R> {
     /// ```
     pub unsafe fn handle(&self) -> Result<R::FusionHandle> {
         let inner = &self.inner;
-        match inner.client.streams().read_entry(&inner.home, inner.id)? {
+        match inner
+            .client
+            .streams()
+            .read_entry(&inner.home, inner.id, Reader::Borrower)?
+        {
             crate::stream::Entry::Handle(handle) => Ok(handle),
             crate::stream::Entry::Failed(error) => Err(error),
         }
@@ -224,8 +231,12 @@ impl<R: StreamRuntime> FusionTensor<R> {
         match self.inner.try_take() {
             Ok(mut last) => {
                 let inner = last.get();
-                let entry = inner.client.streams().mark_read(&inner.home, inner.id)?;
-                // `mark_read` released the id: dropping `last` must not release it again.
+                let entry =
+                    inner
+                        .client
+                        .streams()
+                        .read_entry(&inner.home, inner.id, Reader::LastOwner)?;
+                // The last owner's read released the id: dropping `last` must not release it again.
                 last.disarm();
                 Ok(entry)
             }
@@ -234,7 +245,7 @@ impl<R: StreamRuntime> FusionTensor<R> {
                 inner
                     .client()
                     .streams()
-                    .read_entry(&inner.inner.home, inner.id())
+                    .read_entry(&inner.inner.home, inner.id(), Reader::Borrower)
             }
         }
     }

@@ -177,58 +177,65 @@ mod tests {
         }
     }
 
-    fn record(dropped: &Arc<AtomicUsize>) -> (Record, Arc<Marker>) {
-        let done = Marker::pending();
-        (
-            Record {
-                done: done.clone(),
-                dropped: dropped.clone(),
-            },
-            done,
-        )
+    /// Records that count their drops.
+    #[derive(Default)]
+    struct Records(Arc<AtomicUsize>);
+
+    impl Records {
+        /// A record and the marker that completes it.
+        fn new_record(&self) -> (Record, Arc<Marker>) {
+            let done = Marker::pending();
+            let dropped = self.0.clone();
+            (
+                Record {
+                    done: done.clone(),
+                    dropped,
+                },
+                done,
+            )
+        }
+
+        /// Retire a new record (not terminal) into `queue`; returns its marker.
+        fn retire_into(&self, queue: &RetirementQueue<Record>) -> Arc<Marker> {
+            let (record, done) = self.new_record();
+            queue.retire(record, false);
+            done
+        }
+
+        fn dropped(&self) -> usize {
+            self.0.load(Ordering::SeqCst)
+        }
     }
 
     #[test]
     fn a_stuck_oldest_record_does_not_hold_back_completed_ones() {
-        let dropped = Arc::new(AtomicUsize::new(0));
-        let queue = RetirementQueue::new(8);
-        let (stuck, _stuck_done) = record(&dropped);
-        queue.retire(stuck, false);
-        let mut later = Vec::new();
-        for _ in 0..3 {
-            let (r, done) = record(&dropped);
-            queue.retire(r, false);
-            later.push(done);
-        }
+        let (records, queue) = (Records::default(), RetirementQueue::new(8));
+        let _stuck = records.retire_into(&queue);
+        let later: Vec<_> = (0..3).map(|_| records.retire_into(&queue)).collect();
         for done in &later {
             done.complete(Ok(()));
         }
         assert_eq!(queue.sweep(), 3);
-        assert_eq!(dropped.load(Ordering::SeqCst), 3, "all three released");
+        assert_eq!(records.dropped(), 3, "all three released");
         let s = queue.stats();
         assert_eq!((s.pending, s.released), (1, 3), "only the stuck one waits");
     }
 
     #[test]
     fn a_failed_record_is_released_like_a_completed_one() {
-        let dropped = Arc::new(AtomicUsize::new(0));
-        let queue = RetirementQueue::new(8);
-        let (r, done) = record(&dropped);
-        queue.retire(r, false);
+        let (records, queue) = (Records::default(), RetirementQueue::new(8));
+        let done = records.retire_into(&queue);
         done.complete(Err(crate::Error::Runtime("copy failed".into())));
         assert_eq!(queue.sweep(), 1);
-        assert_eq!(dropped.load(Ordering::SeqCst), 1);
+        assert_eq!(records.dropped(), 1);
     }
 
     #[test]
     fn a_full_queue_resolves_its_oldest_record() {
-        let dropped = Arc::new(AtomicUsize::new(0));
-        let queue = Arc::new(RetirementQueue::new(2));
-        let (first, first_done) = record(&dropped);
-        let (second, _second_done) = record(&dropped);
-        queue.retire(first, false);
-        queue.retire(second, false);
-        let (third, _third_done) = record(&dropped);
+        let (records, queue) = (Records::default(), Arc::new(RetirementQueue::new(2)));
+        let first_done = records.retire_into(&queue);
+        let _second_done = records.retire_into(&queue);
+        let (third, _third_done) = records.new_record();
         let retiring = {
             let queue = queue.clone();
             std::thread::spawn(move || queue.retire(third, false))
@@ -243,25 +250,20 @@ mod tests {
         retiring.join().unwrap();
         let s = queue.stats();
         assert_eq!((s.pending, s.released, s.resolved_at_capacity), (2, 1, 1));
-        assert_eq!(dropped.load(Ordering::SeqCst), 1);
+        assert_eq!(records.dropped(), 1);
     }
 
     #[test]
     fn terminal_records_are_kept_until_teardown_and_released_once() {
-        let dropped = Arc::new(AtomicUsize::new(0));
-        let queue = RetirementQueue::new(2);
-        let (terminal, done) = record(&dropped);
+        let (records, queue) = (Records::default(), RetirementQueue::new(2));
+        let (terminal, done) = records.new_record();
         done.complete(Ok(()));
         queue.retire(terminal, true);
         assert_eq!(queue.sweep(), 0, "never swept");
         assert_eq!(queue.stats().permanent, 1);
-        assert_eq!(dropped.load(Ordering::SeqCst), 0);
+        assert_eq!(records.dropped(), 0);
         drop(queue);
-        assert_eq!(
-            dropped.load(Ordering::SeqCst),
-            1,
-            "released once, at teardown"
-        );
+        assert_eq!(records.dropped(), 1, "released once, at teardown");
     }
 }
 

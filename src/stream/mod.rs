@@ -590,35 +590,22 @@ impl<R: StreamRuntime> MultiStream<R> {
         self.register_entry(dst, entry)
     }
 
-    /// Read access to `id` on `home`: drains if its producer is pending, and returns a second
-    /// owner of its handle (or its error record).
+    /// Read access to `id` on `home`: drains if its producer is pending, and returns an owner
+    /// of its handle (or its error record).
+    ///
+    /// A [`Reader::Borrower`] gets a second owner; the id stays. A [`Reader::LastOwner`] marks
+    /// the tensor read by its last live owner, and the id is released in the same critical
+    /// section (see `StreamState::take_for_read`): when no pending operation on the home stream
+    /// still reads it, the reader takes the stream's own handle and the id is freed at once;
+    /// otherwise the reader gets a second owner and the id is released exactly as its last drop
+    /// would be. Its `shared_sources` entry goes at once.
     pub(crate) fn read_entry(
         &self,
         home: &Arc<StreamCell<R>>,
         id: TensorId,
+        reader: Reader,
     ) -> Result<Entry<R::FusionHandle>> {
-        self.entry_for_read(home, id, false)
-    }
-
-    /// Mark a tensor as read by its last live owner: as [`MultiStream::read_entry`], and the id
-    /// is released in the same critical section (see `StreamState::take_for_read`): when no
-    /// pending operation on the home stream still reads it, the reader takes the stream's own
-    /// handle and the id is freed at once; otherwise the reader gets a second owner and the id
-    /// is released exactly as its last drop would be. Its `shared_sources` entry goes at once.
-    pub(crate) fn mark_read(
-        &self,
-        home: &Arc<StreamCell<R>>,
-        id: TensorId,
-    ) -> Result<Entry<R::FusionHandle>> {
-        self.entry_for_read(home, id, true)
-    }
-
-    fn entry_for_read(
-        &self,
-        home: &Arc<StreamCell<R>>,
-        id: TensorId,
-        release: bool,
-    ) -> Result<Entry<R::FusionHandle>> {
+        let release = matches!(reader, Reader::LastOwner);
         if in_engine() {
             let what = if release {
                 "FusionTensor::into_data"
@@ -730,6 +717,15 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         state.drain();
         state.retire_if_orphan_empty();
     }
+}
+
+/// Who reads a tensor through [`MultiStream::read_entry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reader {
+    /// A reader that keeps its tensor: the id stays.
+    Borrower,
+    /// The tensor's last live owner, consuming it: the id is released by the read.
+    LastOwner,
 }
 
 impl<R: StreamRuntime> std::fmt::Debug for MultiStream<R> {

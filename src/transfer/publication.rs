@@ -256,18 +256,33 @@ impl<R: TransferRuntime> Drop for SourcePublication<R> {
     }
 }
 
+/// The `Debug` of an owner whose record goes once it is used up: `fields` of the record, or
+/// `name(gone)`.
+fn debug_record<T>(
+    f: &mut fmt::Formatter<'_>,
+    (name, gone): (&str, &str),
+    record: Option<&T>,
+    fields: impl FnOnce(&mut fmt::DebugStruct<'_, '_>, &T),
+) -> fmt::Result {
+    match record {
+        Some(record) => {
+            let mut out = f.debug_struct(name);
+            fields(&mut out, record);
+            out.finish()
+        }
+        None => write!(f, "{name}({gone})"),
+    }
+}
+
 impl<R: TransferRuntime> fmt::Debug for SourcePublication<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.record {
-            Some(r) => f
-                .debug_struct("SourcePublication")
-                .field("shape", &r.shape)
+        let name = ("SourcePublication", "consumed");
+        debug_record(f, name, self.record.as_ref(), |out, r| {
+            out.field("shape", &r.shape)
                 .field("dtype", &r.dtype)
                 .field("stream", &r.stream)
-                .field("terminal", &r.failure.is_some())
-                .finish(),
-            None => f.write_str("SourcePublication(consumed)"),
-        }
+                .field("terminal", &r.failure.is_some());
+        })
     }
 }
 
@@ -392,13 +407,10 @@ impl<R: TransferRuntime> Drop for PendingDownload<R> {
 
 impl<R: TransferRuntime> fmt::Debug for PendingDownload<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.record {
-            Some(r) => f
-                .debug_struct("PendingDownload")
-                .field("bytes", &r.bytes)
-                .field("ready", &R::poll_event(&r.event).is_some())
-                .finish(),
-            None => f.write_str("PendingDownload(finished)"),
-        }
+        let name = ("PendingDownload", "finished");
+        debug_record(f, name, self.record.as_ref(), |out, r| {
+            out.field("bytes", &r.bytes)
+                .field("ready", &R::poll_event(&r.event).is_some());
+        })
     }
 }

@@ -4,14 +4,56 @@
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
 
-use burn_backend::TensorData;
-use fusion_streams::host::{HostDevice, HostRuntime, HostStats};
+use burn_backend::{DType, Shape, TensorData};
+use burn_ir::{CustomOpIr, HandleContainer};
+use fusion_streams::host::{HostDevice, HostHandle, HostRuntime, HostStats};
+
 use fusion_streams::runtime::StreamRuntime;
 use fusion_streams::transfer::PinnedHostBuffer;
-use fusion_streams::{EngineConfig, FusionClient, FusionTensor};
+use fusion_streams::{CustomExecutor, EngineConfig, FusionClient, FusionTensor};
 
 pub type Client = FusionClient<HostRuntime>;
 pub type Tensor = FusionTensor<HostRuntime>;
+/// The handles a host custom op's executor runs against.
+pub type Handles = HandleContainer<HostHandle>;
+
+/// A custom f32 op `name` that reads `input` and has one output of `shape`, run by `executor`.
+pub fn custom_op<R: StreamRuntime>(
+    client: &FusionClient<R>,
+    name: &'static str,
+    input: &FusionTensor<R>,
+    shape: impl Into<Shape>,
+    executor: impl CustomExecutor<R>,
+) -> FusionTensor<R> {
+    client
+        .op(name)
+        .read(input)
+        .output(shape, DType::F32)
+        .execute(executor)
+        .expect("admitted")
+        .remove(0)
+}
+
+/// An op `name` over `input` that fails with `message` when it runs: its output carries
+/// `Error::operation(name, message)`.
+pub fn failing_op<R: StreamRuntime>(
+    client: &FusionClient<R>,
+    name: &'static str,
+    input: &FusionTensor<R>,
+    message: &'static str,
+) -> FusionTensor<R> {
+    let shape = input.shape().clone();
+    custom_op(client, name, input, shape, move |_: &_, _: &mut _| {
+        Err(fusion_streams::Error::operation(name, message))
+    })
+}
+
+/// The body of an identity custom op: its one input's handle becomes its one output.
+pub fn pass_through(op: &CustomOpIr, handles: &mut Handles) -> fusion_streams::Result<()> {
+    let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
+    handles.register_handle(op.outputs[0].id, input);
+    Ok(())
+}
 
 /// Settings under which nothing executes unless a test asks for it: a queue bound no test
 /// reaches, and deferred frees that wait for their reader however long the test takes (the
@@ -66,6 +108,14 @@ pub fn assert_nothing_held(client: &Client) {
     let stats = client.stats();
     assert!(stats.is_quiescent(), "{stats:?}");
     assert_eq!(host(client).live_buffers(), 0, "live buffers");
+}
+
+/// Run `test` on a fresh [`client`]; once it has returned (its tensors dropped), check that the
+/// engine holds nothing: [`assert_nothing_held`].
+pub fn leak_checked(test: impl FnOnce(Client)) {
+    let c = client();
+    test(c.clone());
+    assert_nothing_held(&c);
 }
 
 type Job = Box<dyn FnOnce() + Send>;

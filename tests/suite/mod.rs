@@ -8,13 +8,68 @@
 #![allow(dead_code)]
 
 use burn_backend::{DType, StreamId, TensorData};
-use burn_ir::{CustomOpIr, HandleContainer};
 use fusion_streams::runtime::{Kernel, StreamRuntime};
 use fusion_streams::{Error, FusionClient, FusionTensor, Operand};
 
+use crate::common::{Client, failing_op, host};
 pub use crate::common::{Peer, f32s, values};
 
 pub mod publication;
+
+/// One test per line: `suite! { {attributes} module { name(args); ... } ... }` defines
+/// `#[test] fn name()`, with the attributes, calling `module::name(args)`.
+#[allow(unused_macros)] // not every binary that includes the suite calls it
+macro_rules! suite {
+    ($attributes:tt $($module:path { $($name:ident($($arg:expr),*);)* })*) => {$($(
+        crate::suite::suite!(@test $attributes $module; $name($($arg),*));
+    )*)*};
+    (@test {$($attribute:tt)*} $module:path; $name:ident($($arg:expr),*)) => {
+        #[test]
+        $($attribute)*
+        fn $name() {
+            use $module as module;
+            module::$name($($arg),*);
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use suite;
+
+/// The suite's tests (this module's), each on a fresh `$client()`, with the runtime's
+/// `$counters` and long chains of `$large` elements; `$attributes` as for [`suite!`].
+#[allow(unused_macros)]
+macro_rules! cross_thread_suite {
+    ($attributes:tt $client:ident, $counters:expr, $large:expr) => {
+        crate::suite::suite! {
+            $attributes
+            crate::suite {
+                builtins_match_reference(&$client());
+                pending_share_drains_then_aliases(&$client());
+                materialised_share_does_not_drain(&$client());
+                chained_share_drains_once(&$client());
+                every_drop_order_frees_each_id_once($client, &$counters);
+                foreign_drop_under_a_pending_reader_is_deferred(&$client());
+                errors_travel_across_threads(&$client());
+                in_place_is_refused_while_an_alias_lives(&$client(), &$counters);
+                nothing_leaks_after_cross_thread_work(&$client());
+                a_chain_on_a_moved_tensor_is_complete_for_a_reader_on_a_third_stream(
+                    &$client(),
+                    $large
+                );
+                a_chain_on_a_moved_tensor_is_complete_for_a_publication_on_a_third_stream(
+                    &$client(),
+                    $large
+                );
+                a_chain_on_the_allocating_stream_is_complete_for_a_stream_that_synced_earlier(
+                    &$client(),
+                    $large
+                );
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use cross_thread_suite;
 
 pub fn matrix<R: StreamRuntime>(
     c: &FusionClient<R>,
@@ -31,6 +86,16 @@ pub struct Counters<R: StreamRuntime> {
     pub live_buffers: fn(&FusionClient<R>) -> Option<u64>,
     /// Kernels that wrote a consumed input's buffer in place.
     pub in_place_reuses: fn(&FusionClient<R>) -> Option<u64>,
+}
+
+impl Counters<fusion_streams::host::HostRuntime> {
+    /// The host device counts its buffers and in-place reuses.
+    pub fn host() -> Self {
+        Self {
+            live_buffers: |c: &Client| Some(host(c).live_buffers()),
+            in_place_reuses: |c: &Client| Some(host(c).in_place_reuses),
+        }
+    }
 }
 
 impl<R: StreamRuntime> Counters<R> {
@@ -274,15 +339,7 @@ pub fn foreign_drop_under_a_pending_reader_is_deferred<R: StreamRuntime>(c: &Fus
 
 pub fn errors_travel_across_threads<R: StreamRuntime>(c: &FusionClient<R>) {
     let x = f32s(c, &[1.0]);
-    let bad = c
-        .op("boom")
-        .read(&x)
-        .output([1], DType::F32)
-        .execute(|_: &CustomOpIr, _: &mut HandleContainer<R::FusionHandle>| {
-            Err(Error::operation("boom", "injected"))
-        })
-        .unwrap()
-        .remove(0);
+    let bad = failing_op(c, "boom", &x, "injected");
     let downstream = bad.scale(2.0).unwrap().add(&x).unwrap();
     let peer = Peer::spawn();
     let d2 = downstream.clone();

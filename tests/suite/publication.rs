@@ -6,8 +6,7 @@
 
 use std::sync::{Arc, Weak};
 
-use burn_backend::{DType, StreamId};
-use burn_ir::{CustomOpIr, HandleContainer};
+use burn_backend::StreamId;
 use fusion_streams::runtime::TransferRuntime;
 use fusion_streams::transfer::{
     HeldSession, PinnedHostBuffer, PublicationAdmissionError, SourcePublication,
@@ -15,7 +14,7 @@ use fusion_streams::transfer::{
 use fusion_streams::{Error, FusionClient, FusionTensor};
 
 use super::Counters;
-use crate::common::{Peer, buffer_f32s, f32s, values};
+use crate::common::{Peer, buffer_f32s, f32s, failing_op, values};
 
 fn publish<R: TransferRuntime>(
     session: &mut HeldSession<R>,
@@ -120,15 +119,7 @@ pub fn a_refused_publication_returns_the_value<R: TransferRuntime>(
     assert_eq!(values(&rejected.value), vec![4.0], "unchanged and usable");
 
     let x = f32s(&c, &[1.0]);
-    let failed = c
-        .op("fails")
-        .read(&x)
-        .output([1], DType::F32)
-        .execute(|_: &CustomOpIr, _: &mut HandleContainer<R::FusionHandle>| {
-            Err(Error::operation("fails", "known at dispatch"))
-        })
-        .unwrap()
-        .remove(0);
+    let failed = failing_op(&c, "fails", &x, "known at dispatch");
     // SAFETY: as above.
     let rejected = match unsafe { session.publish(failed) } {
         Err(PublicationAdmissionError::Rejected(r)) => r,
