@@ -201,32 +201,17 @@ fn measure(
     {
         return;
     }
-    let r = compare(
-        &name,
-        "plain",
-        rounds,
-        || run(Contender::Ours),
-        || run(Contender::Plain),
-    );
-    ratios.push((name.clone(), r));
-    #[cfg(feature = "cuda")]
-    {
-        let label = format!("unfused-{name}");
+    for (peer, contender) in Contender::peers() {
+        let label = match peer {
+            "plain" => name.clone(),
+            _ => format!("{peer}-{name}"),
+        };
         let r = compare(
             &label,
-            "unfused",
+            peer,
             rounds,
             || run(Contender::Ours),
-            || run(Contender::OursUnfused),
-        );
-        ratios.push((label, r));
-        let label = format!("burn-fusion-{name}");
-        let r = compare(
-            &label,
-            "burn-fusion",
-            rounds,
-            || run(Contender::Ours),
-            || run(Contender::BurnFusion),
+            || run(contender),
         );
         ratios.push((label, r));
     }
@@ -245,6 +230,19 @@ enum Contender {
 }
 
 impl Contender {
+    /// What ours is compared with: plain `B`; with `cuda`, also our engine unfused and
+    /// burn-fusion. Each peer's name prefixes its ratios (but plain's).
+    fn peers() -> Vec<(&'static str, Contender)> {
+        #[allow(unused_mut)]
+        let mut peers = vec![("plain", Contender::Plain)];
+        #[cfg(feature = "cuda")]
+        peers.extend([
+            ("unfused", Contender::OursUnfused),
+            ("burn-fusion", Contender::BurnFusion),
+        ]);
+        peers
+    }
+
     /// The workload on this contender's backend.
     fn run(self, work: Work) -> Duration {
         macro_rules! on {

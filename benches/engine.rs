@@ -17,34 +17,15 @@
 //! `benches/backend.rs` compares `StreamFusion<CubeBackend>` with plain `CubeBackend` and with
 //! burn-fusion's `Fusion<CubeBackend>` on CUDA, and `benches/transfer.rs` the transfer paths.
 
-use std::collections::BTreeMap;
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Barrier, Mutex, OnceLock};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
 
-/// Per-iteration nanoseconds (per op or per clone) of every sample, by benchmark name.
-fn samples() -> &'static Mutex<BTreeMap<String, Vec<f64>>> {
-    static SAMPLES: OnceLock<Mutex<BTreeMap<String, Vec<f64>>>> = OnceLock::new();
-    SAMPLES.get_or_init(Default::default)
-}
+mod common;
 
-fn record(name: &str, total: Duration, units: u64) {
-    samples()
-        .lock()
-        .unwrap()
-        .entry(name.to_owned())
-        .or_default()
-        .push(total.as_nanos() as f64 / units.max(1) as f64);
-}
-
-fn median(name: &str) -> Option<f64> {
-    let samples = samples().lock().unwrap();
-    let mut v = samples.get(name)?.clone();
-    v.sort_by(f64::total_cmp);
-    Some(v[v.len() / 2])
-}
+use common::{median, record};
 
 /// The operations every engine below runs: create a tensor, apply `exp` (consuming its input),
 /// clone, sync.
@@ -546,9 +527,8 @@ fn report() {
         }
     };
     println!("\n== engine benchmark: medians (per op, or per clone) ==");
-    let names: Vec<String> = samples().lock().unwrap().keys().cloned().collect();
-    for name in &names {
-        let ns = median(name).unwrap();
+    for name in &common::names() {
+        let ns = median(name).unwrap() * 1e9;
         if name.starts_with("share/") {
             println!("  {name:<48} {:>9.3} us", ns / 1e3);
         } else {

@@ -31,10 +31,11 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 mod gpu {
-    use std::collections::BTreeMap;
     use std::ffi::c_void;
-    use std::sync::{Mutex, OnceLock};
     use std::time::{Duration, Instant};
 
     use burn_backend::ops::FloatTensorOps;
@@ -46,31 +47,12 @@ mod gpu {
     use fusion_streams::runtime::TransferRuntime;
     use fusion_streams::transfer::{HeldSession, PinnedHostBuffer, SourcePublication};
 
+    use super::common::{median, record};
+
     type Cube = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
     type Runtime = BackendRuntime<Cube>;
     type Tensor = fusion_streams::FusionTensor<Runtime>;
     type Session = HeldSession<Runtime>;
-
-    fn samples() -> &'static Mutex<BTreeMap<String, Vec<f64>>> {
-        static S: OnceLock<Mutex<BTreeMap<String, Vec<f64>>>> = OnceLock::new();
-        S.get_or_init(Default::default)
-    }
-
-    fn record(name: &str, total: Duration, iters: u64) {
-        samples()
-            .lock()
-            .unwrap()
-            .entry(name.into())
-            .or_default()
-            .push(total.as_secs_f64() / iters.max(1) as f64);
-    }
-
-    fn median(name: &str) -> Option<f64> {
-        let s = samples().lock().unwrap();
-        let mut v = s.get(name)?.clone();
-        v.sort_by(f64::total_cmp);
-        Some(v[v.len() / 2])
-    }
 
     /// Time `body` once per iteration as `name` in `group` (`<path>/<size>` for a transfer
     /// path), and keep the per-iteration time for the ratios printed at the end.

@@ -5,9 +5,9 @@
 //!
 //! The multi-thread programs burn users hit bugs with are in `backend_threads.rs`.
 
+mod common;
+
 use burn_backend::Backend;
-#[cfg(not(feature = "cuda"))]
-use burn_ndarray::NdArray;
 use burn_tensor::activation::{gelu, relu, sigmoid, softmax};
 use burn_tensor::module::{avg_pool2d, conv2d, max_pool2d, max_pool2d_with_indices};
 use burn_tensor::ops::ConvOptions;
@@ -15,15 +15,8 @@ use burn_tensor::{
     Bool, Distribution, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, Transaction,
     s,
 };
-use fusion_streams::backend::StreamFusion;
 
-// The host backend by default; with the `cuda` feature, burn's CubeCL backend on CUDA (then
-// every test needs a GPU and is ignored unless asked for: see scripts/gpu-tests.sh).
-#[cfg(not(feature = "cuda"))]
-type Plain = NdArray<f32>;
-#[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-type Ours = StreamFusion<Plain>;
+use common::backend::{Ours, Plain};
 
 /// Run `$body` (a program over a generic backend `B` on `device`, returning the data it reads)
 /// on both backends and require identical results.
@@ -749,7 +742,7 @@ mod cuda_reduce_fusion {
     use super::*;
     use burn_cubecl::CubeBackend;
     use cubecl::cuda::CudaRuntime;
-    use fusion_streams::backend::{cube_fuser_with, register_fuser};
+    use fusion_streams::backend::{StreamFusion, cube_fuser_with, register_fuser};
 
     type Wide = CubeBackend<CudaRuntime, f32, i32, u32>;
     type WideOurs = StreamFusion<Wide>;

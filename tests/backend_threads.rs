@@ -4,21 +4,14 @@
 //! another thread, and tensors moved through a worker pool. One test runs them in order, so the
 //! device's engine (shared by every test of a binary) can be checked to hold nothing after each.
 
+mod common;
+
 use std::sync::{Arc, Barrier, RwLock};
 
 use burn_backend::Backend;
-#[cfg(not(feature = "cuda"))]
-use burn_ndarray::NdArray;
 use burn_tensor::{Distribution, Tensor};
-use fusion_streams::backend::StreamFusion;
 
-// The host backend by default; with the `cuda` feature, burn's CubeCL backend on CUDA (then
-// every test needs a GPU and is ignored unless asked for: see scripts/gpu-tests.sh).
-#[cfg(not(feature = "cuda"))]
-type Plain = NdArray<f32>;
-#[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-type Ours = StreamFusion<Plain>;
+use common::backend::{Ours, Plain};
 
 #[test]
 #[cfg_attr(

@@ -27,20 +27,17 @@
 //! (the side of the square matrices) and `FUSION_STREAMS_RACE_EACH` (tensors per producer of
 //! the accumulator): the sanitizer runs use smaller ones.
 
+mod common;
+
 use std::sync::mpsc;
 use std::thread;
 
 use burn_backend::{Backend, BackendTypes};
-#[cfg(not(feature = "cuda"))]
-use burn_ndarray::NdArray;
 use burn_tensor::{Tensor, TensorData};
-use fusion_streams::backend::StreamFusion;
 
-#[cfg(not(feature = "cuda"))]
-type Plain = NdArray<f32>;
+use common::backend::Ours;
 #[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-type Ours = StreamFusion<Plain>;
+use common::backend::Plain;
 
 /// How large and how often the programs run.
 #[derive(Clone, Copy)]

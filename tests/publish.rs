@@ -8,19 +8,17 @@
 //! NdArray in CI; with the `cuda` feature, burn's CubeCL backend on the GPU (ignored unless asked
 //! for: scripts/gpu-tests.sh builds the binary, scripts/gpu-evidence.sh runs it).
 
+mod common;
+
 use std::thread;
 
 use burn_backend::{Backend, DType, DTypeUsage, TensorData, TensorPrimitive};
 use burn_tensor::{Bool, Int, Tensor};
-use fusion_streams::backend::{Publication, Session, StreamFusion};
+use fusion_streams::backend::{Publication, Session};
 use fusion_streams::transfer::{PinnedHostBuffer, PublicationAdmissionError, PublicationError};
 use fusion_streams::{Error, FusionClient};
 
-#[cfg(not(feature = "cuda"))]
-type Plain = burn_ndarray::NdArray<f32>;
-#[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-type B = StreamFusion<Plain>;
+use common::backend::{Ours as B, Plain};
 
 /// Publish `tensor` and download it; its data as burn reads it must come back, byte for byte.
 fn round_trip<const D: usize, K>(session: &mut Session<Plain>, tensor: Tensor<B, D, K>)

@@ -6,15 +6,10 @@
 mod common;
 mod suite;
 
-#[cfg(not(feature = "cuda"))]
-use burn_ndarray::NdArray;
 use fusion_streams::FusionClient;
 use fusion_streams::backend::BackendRuntime;
 
-#[cfg(not(feature = "cuda"))]
-type Plain = NdArray<f32>;
-#[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+use common::backend::Plain;
 
 fn client() -> FusionClient<BackendRuntime<Plain>> {
     FusionClient::with_config(Default::default(), common::lazy_config()).expect("the device")
