@@ -12,7 +12,11 @@
 //!    data (its own stream), against the same on plain `B`: how the engine scales with threads;
 //! 4. `softmax/<rows>`: 100 times a softmax along the rows of a `[rows, 512]` tensor and a read:
 //!    reductions with elementwise work around them (the reduce fusers' case);
-//! 5. `pipeline/<T>`: T producer threads each compute 200 small tensors and send them through a
+//! 5. `attention/<seq>`: 100 times one attention step (16 heads, `seq` positions, 64 features:
+//!    q·kᵀ, scale, causal mask, softmax, ·v) and a read: two matmuls with a softmax between;
+//! 6. `layer-norm/<rows>`: 100 times a layer norm over 1,024 features of `rows` rows (mean and
+//!    biased variance, normalise, scale and shift) and a read;
+//! 7. `pipeline/<T>`: T producer threads each compute 200 small tensors and send them through a
 //!    channel to the main thread, which adds them up as they come and reads the sum: tensors
 //!    crossing streams, where the engine orders each consumer after its producer and keeps a
 //!    buffer from being reused under a reader (plain `CubeBackend` does neither, and is not
@@ -20,6 +24,8 @@
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_ONLY=<prefix>` runs only the measurements whose name starts with it.
+//! `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` sets our engine's queue bound (how many operations a
+//! stream holds before it dispatches what it can, default 32).
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -36,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use burn_backend::Backend;
 use burn_tensor::activation::{relu, softmax};
-use burn_tensor::{Tensor, TensorData};
+use burn_tensor::{Bool, Tensor, TensorData};
 use fusion_streams::backend::StreamFusion;
 
 #[cfg(not(feature = "cuda"))]
@@ -106,6 +112,48 @@ fn softmax_rows<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Dur
     let start = Instant::now();
     for _ in 0..reps {
         let y = softmax(x.clone() * 4.0, 1);
+        std::hint::black_box(y.into_data());
+    }
+    start.elapsed()
+}
+
+/// `reps` times one attention step over 16 heads of `seq` positions and 64 features, then a
+/// read: scores = q·kᵀ, scaled, causally masked, softmax along the keys, then ·v.
+fn attention<B: Backend>(device: &B::Device, seq: usize, reps: usize) -> Duration {
+    const HEADS: usize = 16;
+    const FEATURES: usize = 64;
+    let input = |seed| {
+        Tensor::<B, 1>::from_data(data(HEADS * seq * FEATURES, seed), device)
+            .reshape([HEADS, seq, FEATURES])
+    };
+    let (q, k, v) = (input(7), input(8), input(9));
+    let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, device)
+        .unsqueeze::<3>()
+        .expand([HEADS, seq, seq]);
+    let scale = 1.0 / (FEATURES as f64).sqrt();
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..reps {
+        let scores = q.clone().matmul(k.clone().swap_dims(1, 2)) * scale;
+        let probabilities = softmax(scores.mask_fill(future.clone(), -1.0e9), 2);
+        std::hint::black_box(probabilities.matmul(v.clone()).into_data());
+    }
+    start.elapsed()
+}
+
+/// `reps` times a layer norm over the 1,024 features of `rows` rows (biased variance, a scale
+/// and a shift per feature), then a read.
+fn layer_norm<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Duration {
+    const FEATURES: usize = 1024;
+    let x = Tensor::<B, 1>::from_data(data(rows * FEATURES, 11), device).reshape([rows, FEATURES]);
+    let gamma = Tensor::<B, 1>::from_data(data(FEATURES, 12), device).reshape([1, FEATURES]) + 1.0;
+    let beta = Tensor::<B, 1>::from_data(data(FEATURES, 13), device).reshape([1, FEATURES]);
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..reps {
+        let (variance, mean) = x.clone().var_mean_bias(1);
+        let normalised = (x.clone() - mean) / (variance + 1e-5).sqrt();
+        let y = normalised * gamma.clone() + beta.clone();
         std::hint::black_box(y.into_data());
     }
     start.elapsed()
@@ -253,6 +301,8 @@ impl Contender {
                     Work::Short(n, reps) => short_chain::<$b>(&device, n, reps),
                     Work::Mlp(threads, reps) => mlp_threads::<$b>(&device, threads, reps),
                     Work::Softmax(rows, reps) => softmax_rows::<$b>(&device, rows, reps),
+                    Work::Attention(seq, reps) => attention::<$b>(&device, seq, reps),
+                    Work::LayerNorm(rows, reps) => layer_norm::<$b>(&device, rows, reps),
                     Work::Pipeline(producers, each) => pipeline::<$b>(&device, producers, each),
                 }
             }};
@@ -285,6 +335,10 @@ enum Work {
     Mlp(usize, usize),
     /// The softmax on `rows` rows, `reps` times.
     Softmax(usize, usize),
+    /// The attention step over `seq` positions, `reps` times.
+    Attention(usize, usize),
+    /// The layer norm of `rows` rows, `reps` times.
+    LayerNorm(usize, usize),
     /// `producers` threads sending `each` tensors each to an accumulating consumer.
     Pipeline(usize, usize),
 }
@@ -292,6 +346,18 @@ enum Work {
 fn main() {
     // `cargo bench` passes `--bench`; there are no filters to honour.
     let device = Default::default();
+    if let Some(len) = std::env::var("FUSION_STREAMS_BENCH_QUEUE_LEN")
+        .ok()
+        .and_then(|len| len.parse().ok())
+    {
+        // How lazily our engine dispatches: its queue bound (`EngineConfig::max_queue_len`).
+        let config = fusion_streams::EngineConfig::default().with_max_queue_len(len);
+        assert!(
+            Ours::configure(&device, config),
+            "configured before first use"
+        );
+        eprintln!("our engine's queue bound: {len}");
+    }
     let rounds = if quick() { 3 } else { 15 };
     eprintln!(
         "backend bench: {} vs {}, {rounds} alternating rounds per measurement (medians)",
@@ -313,6 +379,16 @@ fn main() {
     for rows in [64, 4096] {
         measure(&mut ratios, format!("softmax/{rows}"), rounds, |c| {
             c.run(Work::Softmax(rows, short_reps))
+        });
+    }
+    for seq in [128, 512] {
+        measure(&mut ratios, format!("attention/{seq}"), rounds, |c| {
+            c.run(Work::Attention(seq, short_reps))
+        });
+    }
+    for rows in [64, 4096] {
+        measure(&mut ratios, format!("layer-norm/{rows}"), rounds, |c| {
+            c.run(Work::LayerNorm(rows, short_reps))
         });
     }
     let reps = if quick() { 20 } else { 200 };
