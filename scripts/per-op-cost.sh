@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The engine's own cost per recorded burn op, in instructions (callgrind), on the 1,024-op
+# elementwise chain of 1 Ki f32 (benches/per_op.rs): (ours - plain NdArray) per op, from the
+# difference between a run of 12 chains and a run of 2 (start-up cancels out). With `--top N`,
+# also the N functions whose instructions per op grew most from plain to ours.
+#
+#   scripts/per-op-cost.sh [--top N]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+top=0
+[ "${1:-}" = "--top" ] && top=${2:-25}
+bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)
+[ -x "$bin" ] || { echo "per-op-cost: could not build benches/per_op.rs" >&2; exit 1; }
+dir=$(mktemp -d)
+count() { # who chains -> instructions
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2" "$bin" "$1" "$2" 2>&1 |
+    sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
+}
+declare -A ir
+for who in ours plain; do for n in 2 12; do ir[$who.$n]=$(count "$who" "$n"); done; done
+per_op() { echo $(( (ir[$1.12] - ir[$1.2]) / (10 * 1024) )); }
+ours=$(per_op ours) plain=$(per_op plain)
+echo "instructions per op: ours $ours, plain NdArray $plain, the engine's own $((ours - plain))"
+if [ "$top" -gt 0 ]; then
+  for f in "$dir"/cg.*; do
+    callgrind_annotate --inclusive=no --threshold=100 "$f" 2>/dev/null |
+      sed -n 's/^ *\([0-9,]*\) ([ 0-9.]*%)  \(.*\)$/\1\t\2/p' | tr -d ',' >"$f.txt"
+  done
+  python3 - "$dir" "$top" <<'PY'
+import re, sys
+d, top = sys.argv[1], int(sys.argv[2])
+def load(name):
+    out = {}
+    for line in open(f"{d}/cg.{name}.txt"):
+        v, f = line.rstrip("\n").split("\t", 1)
+        f = re.sub(r" \[.*\]$", "", f)
+        out[f] = out.get(f, 0) + int(v)
+    return out
+o12, o2, p12, p2 = (load(n) for n in ("ours.12", "ours.2", "plain.12", "plain.2"))
+rows = sorted(
+    (((o12.get(k, 0) - o2.get(k, 0)) - (p12.get(k, 0) - p2.get(k, 0))) / 10240, k)
+    for k in set(o12) | set(p12) if "PROGRAM TOTALS" not in k
+)
+for v, k in reversed(rows[-top:]):
+    print(f"{v:8.1f}  {k[:150]}")
+PY
+fi
+rm -rf "$dir"
