@@ -43,13 +43,11 @@ use std::time::{Duration, Instant};
 use burn_backend::Backend;
 use burn_tensor::activation::{relu, softmax};
 use burn_tensor::{Bool, Tensor, TensorData};
-use fusion_streams::backend::StreamFusion;
 
-#[cfg(not(feature = "cuda"))]
-type Plain = burn_ndarray::NdArray<f32>;
-#[cfg(feature = "cuda")]
-type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-type Ours = StreamFusion<Plain>;
+#[path = "../tests/common/backend.rs"]
+mod under_test;
+
+use under_test::{Ours, Plain, elementwise_chain};
 #[cfg(feature = "cuda")]
 type BurnFusion = burn_fusion::Fusion<Plain>;
 
@@ -69,15 +67,7 @@ fn chain<B: Backend>(device: &B::Device, n: usize) -> Duration {
     let x = Tensor::<B, 1>::from_data(data(n, 1), device);
     B::sync(device).unwrap();
     let start = Instant::now();
-    let mut t = x;
-    for i in 0..1000 {
-        t = match i % 4 {
-            0 => t * 1.5,
-            1 => t.tanh(),
-            2 => t + 0.25,
-            _ => t.abs(),
-        };
-    }
+    let t = elementwise_chain(x, 1000);
     let out = t.into_data();
     let elapsed = start.elapsed();
     std::hint::black_box(out);

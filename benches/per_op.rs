@@ -23,6 +23,11 @@ use burn_ndarray::NdArray;
 use burn_tensor::{Tensor, TensorData};
 use fusion_streams::backend::StreamFusion;
 
+#[path = "../tests/common/backend.rs"]
+mod under_test;
+
+use under_test::elementwise_chain;
+
 type Plain = NdArray<f32>;
 type Ours = StreamFusion<Plain>;
 
@@ -36,16 +41,7 @@ fn chains<B: Backend>(count: usize) {
     let values: Vec<f32> = (0..LEN).map(|i| (i % 17) as f32 / 64.0 - 0.125).collect();
     let x = Tensor::<B, 1>::from_data(TensorData::new(values, [LEN]), &device);
     let run = || {
-        let mut t = x.clone();
-        for i in 0..OPS {
-            t = match i % 4 {
-                0 => t * 1.5,
-                1 => t.tanh(),
-                2 => t + 0.25,
-                _ => t.abs(),
-            };
-        }
-        std::hint::black_box(t.into_data());
+        std::hint::black_box(elementwise_chain(x.clone(), OPS).into_data());
     };
     run();
     let start = Instant::now();

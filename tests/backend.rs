@@ -16,6 +16,8 @@ use burn_tensor::{
     s,
 };
 
+#[cfg(feature = "cuda")]
+use common::backend::elementwise_chain;
 use common::backend::{Ours, Plain};
 
 /// Run `$body` (a program over a generic backend `B` on `device`, returning the data it reads)
@@ -538,24 +540,13 @@ mod cuda_fusion {
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn a_thousand_op_chain_is_not_cut_at_the_queue_bound() {
-        fn long<B: Backend>(mut t: Tensor<B, 1>) -> Tensor<B, 1> {
-            for i in 0..1000 {
-                t = match i % 4 {
-                    0 => t * 1.5,
-                    1 => t.tanh(),
-                    2 => t + 0.25,
-                    _ => t.abs(),
-                };
-            }
-            t
-        }
         let device = Default::default();
         let client = Ours::client(&device);
         let n = 1 << 16;
         let (x, _) = inputs::<Ours>(n, &device);
         Ours::sync(&device).unwrap();
         let before = client.stats();
-        let fused = long(x).into_data();
+        let fused = elementwise_chain(x, 1000).into_data();
         let after = client.stats();
         let kernels = after.fused_kernels - before.fused_kernels;
         println!("1,000-op chain: {kernels} fused kernels");
@@ -565,7 +556,7 @@ mod cuda_fusion {
         );
         assert_eq!(after.ops_fused - before.ops_fused, 1000, "{after:?}");
         let (x, _) = inputs::<Plain>(n, &device);
-        let plain = long(x).into_data();
+        let plain = elementwise_chain(x, 1000).into_data();
         let (worst, same) = compare(&fused, &plain);
         println!(
             "1,000-op chain, fused vs unfused: {same}/{n} bit for bit, worst relative {worst:e}"

@@ -91,6 +91,14 @@ fn failing_op(c: &Client, x: &Tensor, panic: bool) -> Tensor {
     })
 }
 
+/// An input, an operation over it that fails (an error, or a panic), and one that depends on it.
+fn failure_and_dependant(c: &Client, panic: bool) -> (Tensor, Tensor, Tensor) {
+    let x = f32s(c, &[1.0]);
+    let failed = failing_op(c, &x, panic);
+    let downstream = failed.exp().unwrap();
+    (x, failed, downstream)
+}
+
 fn publish(
     session: &mut HeldSession<HostRuntime>,
     value: Tensor,
@@ -102,17 +110,10 @@ fn publish(
 #[test]
 fn fault_an_operation_that_returns_an_error() {
     survive(0, |c, _| {
-        let x = f32s(&c, &[1.0]);
-        let failed = failing_op(&c, &x, false);
-        let downstream = failed.exp().unwrap();
+        let (x, failed, downstream) = failure_and_dependant(&c, false);
         let expected = Error::operation("errors", "injected error");
         assert_eq!(failed.read().unwrap_err(), expected);
-        let propagated = downstream.read().unwrap_err();
-        assert_eq!(propagated.root(), &expected, "propagated, typed");
-        assert!(
-            matches!(&propagated, Error::Propagated { skipped, .. } if &**skipped == "exp"),
-            "{propagated:?}"
-        );
+        assert_propagated(&downstream.read().unwrap_err(), &expected, "exp");
         assert_eq!(values(&x), vec![1.0], "the input is untouched");
     });
 }
@@ -120,9 +121,7 @@ fn fault_an_operation_that_returns_an_error() {
 #[test]
 fn fault_an_operation_that_panics() {
     survive(0, |c, _| {
-        let x = f32s(&c, &[1.0]);
-        let failed = failing_op(&c, &x, true);
-        let downstream = failed.exp().unwrap();
+        let (_x, failed, downstream) = failure_and_dependant(&c, true);
         assert!(matches!(
             failed.read().unwrap_err(),
             Error::OperationPanicked { ref op, ref message } if &**op == "panics" && &**message == "injected panic"

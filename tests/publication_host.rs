@@ -29,6 +29,14 @@ fn download(publication: Publication, len: usize) -> PendingDownload<HostRuntime
         .expect("enqueued")
 }
 
+/// A fresh client, a session on this thread's stream, and `values` uploaded there.
+fn open(values: &[f32]) -> (Client, HeldSession<HostRuntime>, Tensor) {
+    let c = client();
+    let session = HeldSession::open(&c).unwrap();
+    let x = f32s(&c, values);
+    (c, session, x)
+}
+
 fn retirement(context: &HostContext) -> fusion_streams::runtime::RetirementStats {
     context.retirement().stats()
 }
@@ -96,9 +104,7 @@ fn frontier_is_not_ready_right_after_a_large_producer() {
 /// The same, deterministically: with the stream held, the frontier cannot complete.
 #[test]
 fn frontier_stays_pending_while_the_stream_is_held() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0, 2.0]);
+    let (c, mut session, x) = open(&[1.0, 2.0]);
     let pause = c.context().pause(session.stream());
     let mut publication = publish(&mut session, x.exp().unwrap());
     for _ in 0..3 {
@@ -114,9 +120,7 @@ fn frontier_stays_pending_while_the_stream_is_held() {
 /// retirement queue without waiting, and `synchronize` releases it.
 #[test]
 fn dropping_a_publication_in_flight_retires_it_and_synchronize_releases_it() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0]);
+    let (c, mut session, x) = open(&[1.0]);
     let pause = c.context().pause(session.stream());
     let publication = publish(&mut session, x.scale(3.0).unwrap());
     drop(publication); // must not wait: the stream is held
@@ -131,9 +135,7 @@ fn dropping_a_publication_in_flight_retires_it_and_synchronize_releases_it() {
 /// A download dropped before its copy completed is retired the same way, buffer included.
 #[test]
 fn dropping_a_download_in_flight_retires_it() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0, 2.0]);
+    let (c, mut session, x) = open(&[1.0, 2.0]);
     let publication = publish(&mut session, x.clone());
     let pause = c.context().pause(session.stream());
     let pending = download(publication, 8);
@@ -160,9 +162,7 @@ fn dropping_a_download_in_flight_retires_it() {
 /// its record to the permanent-retention side.
 #[test]
 fn a_device_failure_after_publish_makes_the_publication_terminal() {
-    let c = client();
-    let mut session = HeldSession::open(&c).unwrap();
-    let x = f32s(&c, &[1.0, 2.0]);
+    let (c, mut session, x) = open(&[1.0, 2.0]);
     let pause = c.context().pause(session.stream());
     let faulty = c.fail_on_device(&x).unwrap();
     let mut publication = publish(&mut session, faulty);

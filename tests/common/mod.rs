@@ -50,6 +50,20 @@ pub fn failing_op<R: StreamRuntime>(
     })
 }
 
+/// `error` is `root`, propagated: the operation `skipped` (the first one skipped because its
+/// input carried it) reports it.
+pub fn assert_propagated(
+    error: &fusion_streams::Error,
+    root: &fusion_streams::Error,
+    skipped: &str,
+) {
+    assert_eq!(error.root(), root, "the root, typed: {error:?}");
+    assert!(
+        matches!(error, fusion_streams::Error::Propagated { skipped: s, .. } if &**s == skipped),
+        "{error:?}: propagated from `{skipped}`, the first skipped operation"
+    );
+}
+
 /// The body of an identity custom op: its one input's handle becomes its one output.
 pub fn pass_through(op: &CustomOpIr, handles: &mut Handles) -> fusion_streams::Result<()> {
     let input = handles.get_handle(&op.inputs[0].id, &op.inputs[0].status);
