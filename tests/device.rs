@@ -121,6 +121,20 @@ fn ints(n: usize, seed: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + seed) % 7) as f32 - 3.0).collect()
 }
 
+/// Two `n`×`n` integer-valued matrices from `seeds`: their values, and the tensors uploaded.
+fn square_operands(
+    c: &FusionClient<BackendRuntime<Cuda>>,
+    n: usize,
+    seeds: [usize; 2],
+) -> (
+    [Vec<f32>; 2],
+    [fusion_streams::FusionTensor<BackendRuntime<Cuda>>; 2],
+) {
+    let host = seeds.map(|seed| ints(n * n, seed));
+    let tensors = [0, 1].map(|k| matrix(c, host[k].clone(), n, n));
+    (host, tensors)
+}
+
 fn matmul_at(a: &[f32], b: &[f32], n: usize, i: usize, j: usize) -> f32 {
     (0..n).map(|p| a[i * n + p] * b[p * n + j]).sum()
 }
@@ -132,8 +146,7 @@ fn matmul_at(a: &[f32], b: &[f32], n: usize, i: usize, j: usize) -> f32 {
 fn long_producer_shared_across_streams_without_host_sync() {
     let c = client();
     let n = 2048;
-    let (a, b) = (ints(n * n, 1), ints(n * n, 4));
-    let (ta, tb) = (matrix(&c, a.clone(), n, n), matrix(&c, b.clone(), n, n));
+    let ([a, b], [ta, tb]) = square_operands(&c, n, [1, 4]);
     let started = Instant::now();
     let product = ta.matmul(&tb).unwrap();
     c.drain(); // dispatched on A; nothing waits for it
@@ -211,12 +224,29 @@ mod transfer {
     use fusion_streams::runtime::TransferRuntime;
     use fusion_streams::transfer::{HeldSession, PinnedHostBuffer, PublicationAdmissionError};
 
-    use super::{Cuda, client, in_child, ints, matmul_at};
+    use super::{Cuda, client, in_child, matmul_at, square_operands};
     use crate::common::buffer_f32s;
-    use crate::suite::matrix;
 
     type Runtime = fusion_streams::backend::BackendRuntime<Cuda>;
     type Tensor = fusion_streams::FusionTensor<Runtime>;
+
+    /// The side of the matrices whose product is the long producer of these tests.
+    const LARGE: usize = 4096;
+
+    /// A session on a fresh client, and two `LARGE`² matrices from `seeds` to multiply.
+    fn large_operands(
+        seeds: [usize; 2],
+    ) -> (
+        fusion_streams::FusionClient<Runtime>,
+        HeldSession<Runtime>,
+        [Vec<f32>; 2],
+        [Tensor; 2],
+    ) {
+        let c = client();
+        let session = HeldSession::open(&c).unwrap();
+        let (values, tensors) = square_operands(&c, LARGE, seeds);
+        (c, session, values, tensors)
+    }
 
     fn publish(session: &mut Session<Cuda>, value: Tensor) -> Publication<Cuda> {
         // SAFETY: values are produced by the engine's operations, which order them before the
@@ -259,11 +289,8 @@ mod transfer {
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn frontier_is_not_ready_right_after_a_large_producer() {
-        let c = client();
-        let mut session = HeldSession::open(&c).unwrap();
-        let n = 4096;
-        let (a, b) = (ints(n * n, 3), ints(n * n, 6));
-        let (ta, tb) = (matrix(&c, a.clone(), n, n), matrix(&c, b.clone(), n, n));
+        let (c, mut session, [a, b], [ta, tb]) = large_operands([3, 6]);
+        let n = LARGE;
         // Warm the fused matmul + scale up (its autotune runs once), so that the producer
         // `publish` drains is the kernel alone.
         let _ = ta.matmul(&tb).unwrap().scale(1.0).unwrap().read().unwrap();
@@ -293,11 +320,7 @@ mod transfer {
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn a_publication_dropped_in_flight_is_retired() {
-        let c = client();
-        let mut session = HeldSession::open(&c).unwrap();
-        let n = 4096;
-        let (a, b) = (ints(n * n, 1), ints(n * n, 2));
-        let (ta, tb) = (matrix(&c, a, n, n), matrix(&c, b, n, n));
+        let (c, mut session, _, [ta, tb]) = large_operands([1, 2]);
         let _ = ta.matmul(&tb).unwrap().read().unwrap(); // autotune once
         let before = c.context().retirement().stats();
         drop(publish(&mut session, ta.matmul(&tb).unwrap())); // frontier in flight: retired

@@ -71,8 +71,8 @@ pub(super) fn execute(world: &World, index: usize, step: &Step) -> Observed {
         Step::Binary { dst, lhs, rhs, op } => tensors::run_binary(run, dst, lhs, rhs, op),
         Step::Consume { dst, src, factor } => tensors::run_consume(run, dst, src, factor),
         Step::Chain { dst, src, factors } => tensors::run_chain(run, dst, src, factors),
-        Step::Clone { dst, src } => tensors::run_clone(run, dst, src),
-        Step::Move { dst, src } => tensors::run_move(run, dst, src),
+        Step::Clone { dst, src } => tensors::run_clone_or_move(run, dst, src, true),
+        Step::Move { dst, src } => tensors::run_clone_or_move(run, dst, src, false),
         Step::Drop { slot } => tensors::run_drop(run, slot),
         Step::Read { slot } => tensors::run_read(run, slot),
         Step::ReadConsume { slot } => tensors::run_read_consume(run, slot),
@@ -91,8 +91,10 @@ pub(super) fn execute(world: &World, index: usize, step: &Step) -> Observed {
             wrong,
         } => transfer::run_download(run, publication, keep, wrong),
         Step::WaitDownload { download } => transfer::run_wait_download(run, download),
-        Step::DropPublication { publication } => transfer::run_drop_publication(run, publication),
-        Step::DropDownload { download } => transfer::run_drop_download(run, download),
+        Step::DropPublication { publication } => {
+            transfer::run_drop(&run.world.publications[publication])
+        }
+        Step::DropDownload { download } => transfer::run_drop(&run.world.downloads[download]),
     }
 }
 
@@ -130,8 +132,8 @@ impl Reference {
             Step::Chain { dst, src, factors } => {
                 tensors::model_chain(r, at, observed, dst, src, factors)
             }
-            Step::Clone { dst, src } => tensors::model_clone(r, dst, src),
-            Step::Move { dst, src } => tensors::model_move(r, dst, src),
+            Step::Clone { dst, src } => tensors::model_clone_or_move(r, dst, src, true),
+            Step::Move { dst, src } => tensors::model_clone_or_move(r, dst, src, false),
             Step::Drop { slot } => tensors::model_drop(r, slot),
             Step::Read { slot } => tensors::model_read(r, at, observed, slot, false),
             Step::ReadConsume { slot } => tensors::model_read(r, at, observed, slot, true),
@@ -155,9 +157,9 @@ impl Reference {
                 transfer::model_wait_download(r, at, observed, download)
             }
             Step::DropPublication { publication } => {
-                transfer::model_drop_publication(r, publication)
+                transfer::model_drop(&mut r.publications[publication])
             }
-            Step::DropDownload { download } => transfer::model_drop_download(r, download),
+            Step::DropDownload { download } => transfer::model_drop(&mut r.downloads[download]),
         }
     }
 }

@@ -198,29 +198,29 @@ pub(super) fn model_chain(
 
 // Clone, Move, Drop: slot bookkeeping (a clone on another thread is a share).
 
-pub(super) fn run_clone(run: &mut Run, dst: usize, src: usize) -> Observed {
-    if let Some(t) = run.slots.get(src).cloned() {
+/// Clone `src` into `dst` (`keep`), or move it there.
+pub(super) fn run_clone_or_move(run: &mut Run, dst: usize, src: usize, keep: bool) -> Observed {
+    let tensor = match keep {
+        true => run.slots.get(src).cloned(),
+        false => run.slots.slot(src).take(),
+    };
+    if let Some(t) = tensor {
         *run.slots.slot(dst) = Some(t);
     }
     Observed::Nothing
 }
 
-pub(super) fn model_clone(r: &mut Reference, dst: usize, src: usize) -> Result<(), String> {
-    if let Some(s) = r.slots[src].clone() {
-        r.slots[dst] = Some(s);
-    }
-    Ok(())
-}
-
-pub(super) fn run_move(run: &mut Run, dst: usize, src: usize) -> Observed {
-    if let Some(t) = run.slots.slot(src).take() {
-        *run.slots.slot(dst) = Some(t);
-    }
-    Observed::Nothing
-}
-
-pub(super) fn model_move(r: &mut Reference, dst: usize, src: usize) -> Result<(), String> {
-    if let Some(s) = r.slots[src].take() {
+pub(super) fn model_clone_or_move(
+    r: &mut Reference,
+    dst: usize,
+    src: usize,
+    keep: bool,
+) -> Result<(), String> {
+    let model = match keep {
+        true => r.slots[src].clone(),
+        false => r.slots[src].take(),
+    };
+    if let Some(s) = model {
         r.slots[dst] = Some(s);
     }
     Ok(())

@@ -8,7 +8,7 @@ use fusion_streams::transfer::{HeldSession, PublicationAdmissionError};
 
 use super::{At, Run};
 use crate::common::buffer_f32s;
-use crate::harness::model::{Failure, Observed, Reference, agrees, same_error};
+use crate::harness::model::{Failure, Model, Observed, Reference, agrees, same_error};
 use crate::harness::world::Download;
 
 fn wait_and_read(download: Download) -> Result<Vec<f32>, Error> {
@@ -164,22 +164,14 @@ pub(super) fn model_wait_download(
 
 // DropPublication, DropDownload: possibly with work in flight (retired, never waited for).
 
-pub(super) fn run_drop_publication(run: &mut Run, publication: usize) -> Observed {
-    drop(run.world.publications[publication].lock().unwrap().take());
+/// Drop what a world's publication or download slot holds.
+pub(super) fn run_drop<T>(held: &std::sync::Mutex<Option<T>>) -> Observed {
+    drop(held.lock().unwrap().take());
     Observed::Nothing
 }
 
-pub(super) fn model_drop_publication(r: &mut Reference, publication: usize) -> Result<(), String> {
-    r.publications[publication] = None;
-    Ok(())
-}
-
-pub(super) fn run_drop_download(run: &mut Run, download: usize) -> Observed {
-    drop(run.world.downloads[download].lock().unwrap().take());
-    Observed::Nothing
-}
-
-pub(super) fn model_drop_download(r: &mut Reference, download: usize) -> Result<(), String> {
-    r.downloads[download] = None;
+/// The model of [`run_drop`]: the slot is empty.
+pub(super) fn model_drop(slot: &mut Option<Model>) -> Result<(), String> {
+    *slot = None;
     Ok(())
 }
