@@ -44,7 +44,7 @@ use burn_backend::Backend;
 use burn_tensor::activation::{relu, softmax};
 use burn_tensor::{Bool, Tensor, TensorData};
 
-#[path = "../tests/common/backend.rs"]
+#[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
 use under_test::{Ours, Plain, elementwise_chain};

@@ -23,7 +23,7 @@ use burn_ndarray::NdArray;
 use burn_tensor::{Tensor, TensorData};
 use fusion_streams::backend::StreamFusion;
 
-#[path = "../tests/common/backend.rs"]
+#[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
 use under_test::elementwise_chain;

@@ -5,7 +5,7 @@
 //!
 //! The multi-thread programs burn users hit bugs with are in `backend_threads.rs`.
 
-mod common;
+mod under_test;
 
 use burn_backend::Backend;
 use burn_tensor::activation::{gelu, relu, sigmoid, softmax};
@@ -17,8 +17,8 @@ use burn_tensor::{
 };
 
 #[cfg(feature = "cuda")]
-use common::backend::elementwise_chain;
-use common::backend::{Ours, Plain};
+use under_test::elementwise_chain;
+use under_test::{Ours, Plain};
 
 /// Run `$body` (a program over a generic backend `B` on `device`, returning the data it reads)
 /// on both backends and require identical results.

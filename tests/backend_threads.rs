@@ -4,14 +4,14 @@
 //! another thread, and tensors moved through a worker pool. One test runs them in order, so the
 //! device's engine (shared by every test of a binary) can be checked to hold nothing after each.
 
-mod common;
+mod under_test;
 
 use std::sync::{Arc, Barrier, RwLock};
 
 use burn_backend::Backend;
 use burn_tensor::{Distribution, Tensor};
 
-use common::backend::{Ours, Plain};
+use under_test::{Ours, Plain};
 
 #[test]
 #[cfg_attr(

@@ -27,7 +27,7 @@
 //! (the side of the square matrices) and `FUSION_STREAMS_RACE_EACH` (tensors per producer of
 //! the accumulator): the sanitizer runs use smaller ones.
 
-mod common;
+mod under_test;
 
 use std::sync::mpsc;
 use std::thread;
@@ -35,9 +35,9 @@ use std::thread;
 use burn_backend::{Backend, BackendTypes};
 use burn_tensor::{Tensor, TensorData};
 
-use common::backend::Ours;
+use under_test::Ours;
 #[cfg(feature = "cuda")]
-use common::backend::Plain;
+use under_test::Plain;
 
 /// How large and how often the programs run.
 #[derive(Clone, Copy)]

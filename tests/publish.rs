@@ -8,7 +8,7 @@
 //! NdArray in CI; with the `cuda` feature, burn's CubeCL backend on the GPU (ignored unless asked
 //! for: scripts/gpu-tests.sh builds the binary, scripts/gpu-evidence.sh runs it).
 
-mod common;
+mod under_test;
 
 use std::thread;
 
@@ -18,7 +18,7 @@ use fusion_streams::backend::{Publication, Session};
 use fusion_streams::transfer::{PinnedHostBuffer, PublicationAdmissionError, PublicationError};
 use fusion_streams::{Error, FusionClient};
 
-use common::backend::{Ours as B, Plain};
+use under_test::{Ours as B, Plain};
 
 /// Publish `tensor` and download it; its data as burn reads it must come back, byte for byte.
 fn round_trip<const D: usize, K>(session: &mut Session<Plain>, tensor: Tensor<B, D, K>)

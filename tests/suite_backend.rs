@@ -5,11 +5,12 @@
 
 mod common;
 mod suite;
+mod under_test;
 
 use fusion_streams::FusionClient;
 use fusion_streams::backend::BackendRuntime;
 
-use common::backend::Plain;
+use under_test::Plain;
 
 fn client() -> FusionClient<BackendRuntime<Plain>> {
     FusionClient::with_config(Default::default(), common::lazy_config()).expect("the device")

@@ -1,8 +1,6 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-pub mod backend;
-
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
 

@@ -1,7 +1,8 @@
 //! The burn backend the backend tests run on: NdArray by default; with the `cuda` feature,
 //! burn's CubeCL backend on CUDA (then every test that uses it needs a GPU and is ignored unless
 //! asked for: see scripts/gpu-tests.sh). The benches include this file too, for the same types
-//! and the elementwise chain.
+//! and the elementwise chain. (Not in `tests/common`: the fuzz target includes that, and has no
+//! burn backend.)
 #![allow(dead_code)]
 
 use burn_backend::Backend;
