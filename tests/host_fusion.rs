@@ -240,10 +240,13 @@ fn long_chain(c: &Client, n: usize) -> Tensor {
 }
 
 /// The queue bound does not cut a run the fuser still accepts: it stays queued, planned, and
-/// the whole chain is one kernel, bit for bit the unfused result.
+/// the whole chain is one kernel, bit for bit the unfused result (with closed runs left to the
+/// bound, which is what this checks).
 #[test]
 fn a_run_longer_than_the_queue_bound_is_still_one_kernel() {
-    let config = EngineConfig::default().with_max_queue_len(8);
+    let config = EngineConfig::default()
+        .with_max_queue_len(8)
+        .with_dispatch_closed_runs(false);
     let (c, u) = (fusing_with(config), fusing_with(config.with_fusion(false)));
     let (t, reference) = (long_chain(&c, 100), long_chain(&u, 100));
     let s = c.stats();
@@ -302,6 +305,7 @@ fn unfusable_work_still_executes_at_the_queue_bound() {
 fn a_foreign_drop_waits_only_for_the_queued_runs_that_read_it() {
     let config = EngineConfig::default()
         .with_max_queue_len(4)
+        .with_dispatch_closed_runs(false)
         .with_max_deferred_free_delay(std::time::Duration::from_secs(3600));
     let c = fusing_with(config);
     let (x, y) = (f32s(&c, &[1.0, 2.0]), f32s(&c, &[3.0, 4.0]));
@@ -343,4 +347,70 @@ fn a_foreign_drop_waits_only_for_the_queued_runs_that_read_it() {
     assert_eq!(values(&u), vec![14.0]);
     drop((t, total, u));
     assert_nothing_held(&c);
+}
+
+/// A run is dispatched the moment it closes, without waiting for the queue bound: the fuser
+/// refuses the sum, so the chain before it runs as one kernel when the sum is recorded; the
+/// sum (which no fuser takes) runs at once too, and the chain after it stays queued, open.
+/// The results are bit for bit the unfused ones, and the kernels are the same as when closed
+/// runs wait for the bound.
+#[test]
+fn a_closed_run_is_dispatched_when_it_closes() {
+    let record = |c: &Client| {
+        let mut t = f32s(c, &INPUT);
+        for _ in 0..5 {
+            t = t.scale(1.5).unwrap().exp().unwrap().scale(1e-3).unwrap();
+        }
+        let total = t.sum().unwrap();
+        let mut u = total.scale(2.0).unwrap();
+        for _ in 0..3 {
+            u = u.exp().unwrap().scale(0.5).unwrap();
+        }
+        (t, u)
+    };
+    // A bound the 45 entries recorded do not reach.
+    let config = EngineConfig::default().with_max_queue_len(64);
+    let eager = fusing_with(config);
+    let (t, u) = record(&eager);
+    let s = eager.stats();
+    assert_eq!(
+        s.closed_runs, 1,
+        "one dispatch: the chain, and the sum it was closed by: {s:?}"
+    );
+    assert_eq!(
+        (s.fused_kernels, s.ops_fused),
+        (1, 15),
+        "the closed run ran: {s:?}"
+    );
+    assert_eq!(s.ops_executed, 15 + 1, "and the sum after it: {s:?}");
+    // Seven operations and seven drops: six intermediates, and `total` when `record` returns.
+    assert_eq!(s.pending_ops, 7 + 7, "the open run waits: {s:?}");
+
+    let waiting = fusing_with(config.with_dispatch_closed_runs(false));
+    let unfused = fusing_with(config.with_fusion(false));
+    let (t_waiting, u_waiting) = record(&waiting);
+    assert_eq!(
+        waiting.stats().ops_executed,
+        0,
+        "nothing ran before the bound"
+    );
+    let (t_unfused, u_unfused) = record(&unfused);
+    for (ours, reference) in [
+        (&t, &t_unfused),
+        (&u, &u_unfused),
+        (&t_waiting, &t),
+        (&u_waiting, &u),
+    ] {
+        assert_eq!(bits(&values(ours)), bits(&values(reference)));
+    }
+    let (s, w) = (eager.stats(), waiting.stats());
+    assert_eq!(
+        (s.fused_kernels, s.ops_fused),
+        (w.fused_kernels, w.ops_fused),
+        "same kernels"
+    );
+    drop((t, u, t_waiting, u_waiting, t_unfused, u_unfused));
+    for c in [&eager, &waiting, &unfused] {
+        assert_nothing_held(c);
+    }
 }

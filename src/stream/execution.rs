@@ -44,6 +44,9 @@ use crate::runtime::{Fuser, StreamRuntime};
 #[derive(Default)]
 pub(crate) struct Plan {
     scanned: usize,
+    /// The fuser refused the entry at `scanned`, or the run reached `max_fused_len`: nothing
+    /// more is offered until the run has executed.
+    closed: bool,
     /// The offered entries: their index in the queue, and whether each is an operation.
     offered: Vec<(usize, bool)>,
     /// The tensors the offered operations read or produce, for the IR of their drops.
@@ -58,6 +61,7 @@ impl Plan {
 
     fn clear(&mut self) {
         self.scanned = 0;
+        self.closed = false;
         self.offered.clear();
         self.seen.clear();
     }
@@ -80,12 +84,31 @@ impl<R: StreamRuntime> StreamState<R> {
         self.execute_queue(true);
     }
 
+    /// Whether this stream fuses now: it has a fuser, and fusion is switched on.
+    pub(crate) fn fusing(&self) -> bool {
+        self.fuser.is_some() && self.fusion.load(Ordering::Relaxed)
+    }
+
+    /// Offer the queue's entries the plan has not looked at to the fuser (which the caller knows
+    /// is there and on). Returns whether the run is closed, so the queue has something to run
+    /// that can grow no more.
+    pub(crate) fn offer_queued(&mut self) -> bool {
+        let Some(mut fuser) = self.fuser.take() else {
+            return false;
+        };
+        let queue = std::mem::take(&mut self.queue);
+        let closed = self.extend_plan(&queue, &mut *fuser);
+        self.queue = queue;
+        self.fuser = Some(fuser);
+        closed
+    }
+
     fn execute_queue(&mut self, lazy: bool) {
         if !self.queue.is_empty() {
             let mut ops = std::mem::take(&mut self.queue);
             // Device work dispatched by the executors must land on this stream even when another
             // thread is draining it (to share or read one of its tensors).
-            let fusing = self.fuser.is_some() && self.fusion.load(Ordering::Relaxed);
+            let fusing = self.fusing();
             self.id.executes(|| match self.fuser.take() {
                 Some(mut fuser) if fusing => {
                     self.execute_fusing(&mut ops, &mut *fuser, lazy);
@@ -172,7 +195,17 @@ impl<R: StreamRuntime> StreamState<R> {
     /// whether the run is closed: an entry was refused (it is left for the next run), or the
     /// run is `max_fused_len` entries long. `false`: every entry was accepted.
     fn extend_plan(&mut self, ops: &VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) -> bool {
+        let closed = self.extend_open_plan(ops, fuser);
+        self.plan.closed = closed;
+        closed
+    }
+
+    fn extend_open_plan(&mut self, ops: &VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) -> bool {
         let plan = &mut self.plan;
+        if plan.closed {
+            // Already refused: a fuser is not offered the entry it refused twice.
+            return true;
+        }
         while let Some(entry) = ops.get(plan.scanned) {
             if plan.scanned >= self.max_fused_len {
                 return true;

@@ -45,6 +45,14 @@ pub struct EngineConfig {
     /// the stream drains. Bounds the pending work a fusing stream holds, and the size of a
     /// fused kernel. Default 512; at least `max_queue_len`.
     pub max_fused_len: usize,
+    /// Whether a fusing stream dispatches a run the moment it closes. Each operation is offered
+    /// to the stream's fuser as it is recorded; when the fuser refuses one, the run before it
+    /// can grow no more, so it is dispatched then (and an operation no fuser takes is
+    /// dispatched at once), while the new, open run stays queued. The fused kernels are the same
+    /// either way; what changes is that the device starts on a closed run while the thread
+    /// records the next one, instead of after `max_queue_len` more operations. Default on; off,
+    /// a fusing stream waits for `max_queue_len` like one that does not fuse.
+    pub dispatch_closed_runs: bool,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +62,7 @@ impl Default for EngineConfig {
             max_deferred_free_delay: Duration::from_millis(10),
             fusion: true,
             max_fused_len: 512,
+            dispatch_closed_runs: true,
         }
     }
 }
@@ -68,6 +77,13 @@ impl EngineConfig {
     /// Settings with the given bound on fused runs (see [`EngineConfig::max_fused_len`]).
     pub fn with_max_fused_len(mut self, max_fused_len: usize) -> Self {
         self.max_fused_len = max_fused_len;
+        self
+    }
+
+    /// Settings that dispatch closed runs at once, or not (see
+    /// [`EngineConfig::dispatch_closed_runs`]).
+    pub fn with_dispatch_closed_runs(mut self, dispatch: bool) -> Self {
+        self.dispatch_closed_runs = dispatch;
         self
     }
 
@@ -116,6 +132,9 @@ pub struct EngineStats {
     /// Times a queue reached its bound (counting only entries its fuser had not yet planned)
     /// and executed.
     pub lazy_flushes: u64,
+    /// Times a fusing stream's fuser closed a run and the stream dispatched it at once
+    /// ([`EngineConfig::dispatch_closed_runs`]).
+    pub closed_runs: u64,
     /// Drains that executed a non-empty queue (reads, syncs, shares).
     pub drains: u64,
     /// Shares of a source with no handle yet, which drained the source's stream.
@@ -151,6 +170,7 @@ impl EngineStats {
         self.ops_failed += c.ops_failed;
         self.ops_skipped += c.ops_skipped;
         self.lazy_flushes += c.lazy_flushes;
+        self.closed_runs += c.closed_runs;
         self.drains += c.drains;
         self.share_drains += c.share_drains;
         self.shares += c.shares;

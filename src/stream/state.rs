@@ -29,6 +29,7 @@ pub(crate) struct StreamCounters {
     pub(crate) ops_failed: u64,
     pub(crate) ops_skipped: u64,
     pub(crate) lazy_flushes: u64,
+    pub(crate) closed_runs: u64,
     pub(crate) drains: u64,
     pub(crate) share_drains: u64,
     pub(crate) shares: u64,
@@ -49,6 +50,7 @@ impl StreamCounters {
         self.ops_failed += other.ops_failed;
         self.ops_skipped += other.ops_skipped;
         self.lazy_flushes += other.lazy_flushes;
+        self.closed_runs += other.closed_runs;
         self.drains += other.drains;
         self.share_drains += other.share_drains;
         self.shares += other.shares;
@@ -82,6 +84,8 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// What the fuser has been offered of the queue's front (see `execution`).
     pub(crate) plan: super::execution::Plan,
     pub(crate) max_fused_len: usize,
+    /// [`crate::EngineConfig::dispatch_closed_runs`].
+    pub(crate) dispatch_closed_runs: bool,
     /// The engine's switch for fusion (see `MultiStream::set_fusion`).
     pub(crate) fusion: Arc<std::sync::atomic::AtomicBool>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
@@ -132,6 +136,7 @@ impl<R: StreamRuntime> StreamState<R> {
             queue: VecDeque::new(),
             plan: Default::default(),
             max_fused_len: config.max_fused_len,
+            dispatch_closed_runs: config.dispatch_closed_runs,
             handles: HandleContainer::new(),
             errors: HashMap::new(),
             shared_sources: HashSet::new(),
@@ -370,12 +375,21 @@ impl<R: StreamRuntime> StreamState<R> {
     /// The bound counts the operations the fuser has not looked at yet: an open fused run kept
     /// queued by the last flush (at most `max_fused_len` entries, see `execution`) does not
     /// count again.
+    ///
+    /// With [`crate::EngineConfig::dispatch_closed_runs`], a fusing stream offers the operation
+    /// to its fuser now, and runs the queue as soon as the fuser closes a run.
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
         self.queue.push_back(op);
         // An exiting thread runs nothing (see `local`): its stream is drained by the service
         // thread instead.
-        if self.queue.len() - self.plan.scanned() >= self.max_queue_len && !super::local::exiting()
-        {
+        if super::local::exiting() {
+            return;
+        }
+        if self.dispatch_closed_runs && self.fusing() && self.offer_queued() {
+            self.counters.closed_runs += 1;
+            tracing::trace!(stream = %self.id, ops = self.queue.len(), "a run closed: dispatched");
+            self.execute_lazily();
+        } else if self.queue.len() - self.plan.scanned() >= self.max_queue_len {
             self.counters.lazy_flushes += 1;
             tracing::trace!(stream = %self.id, ops = self.queue.len(), "lazy flush: queue bound reached");
             self.execute_lazily();
