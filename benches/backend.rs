@@ -21,11 +21,25 @@
 //!    crossing streams, where the engine orders each consumer after its producer and keeps a
 //!    buffer from being reused under a reader (plain `CubeBackend` does neither, and is not
 //!    always right on this program: `tests/cross_stream.rs`).
+//! 8. `ceiling-threads/<T>`: the MLP's forward rate on our engine at T threads as a fraction of
+//!    the *ceiling*: the same MLP forwards on plain `B` from one thread, back to back, with one
+//!    read at the end — every kernel straight through the backend's client, no engine and no
+//!    waiting. On CUDA, cubecl 0.10 runs every launch, allocation and read of every thread on
+//!    one server thread per device, so no number of threads can launch faster than that; a
+//!    fraction near 1.0 at 8 and 16 threads says the engine is not what stops the scaling.
+//!    (Ours fuses the bias add and the ReLU into one kernel, so it launches fewer kernels per
+//!    forward than the ceiling does: the fraction is of forwards, what the user gets.)
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
-//! `FUSION_STREAMS_BENCH_ONLY=<prefix>` runs only the measurements whose name starts with it.
+//! `FUSION_STREAMS_BENCH_ONLY=<prefix>[,<prefix>..]` runs only the measurements whose name
+//! starts with one of them.
 //! `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` sets our engine's queue bound (how many operations a
-//! stream holds before it dispatches what it can, default 32).
+//! stream holds before it dispatches what it can, default 32), and
+//! `FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0` makes a fusing stream wait for that bound
+//! rather than dispatch each run as it closes (`EngineConfig::dispatch_closed_runs`).
+//! `FUSION_STREAMS_BENCH_ROUNDS=<n>` sets the number of rounds (default 15) and
+//! `FUSION_STREAMS_BENCH_VERBOSE=1` prints every round's two times, not only the medians (to see
+//! whether a slow median is a steady cost or a warm-up that outlasts the untimed round).
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -172,6 +186,23 @@ fn mlp_threads<B: Backend>(device: &B::Device, threads: usize, reps: usize) -> D
     start.elapsed()
 }
 
+/// The MLP forward `reps` times from one thread with no read between them, then one read:
+/// how fast the backend's client takes these kernels when nothing waits (the ceiling).
+fn mlp_back_to_back<B: Backend>(device: &B::Device, reps: usize) -> Duration {
+    let w1 = Tensor::<B, 1>::from_data(data(64 * 128, 0), device).reshape([64, 128]);
+    let w2 = Tensor::<B, 1>::from_data(data(128 * 16, 1), device).reshape([128, 16]);
+    let x = Tensor::<B, 1>::from_data(data(32 * 64, 2), device).reshape([32, 64]);
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    let mut total = Tensor::<B, 1>::zeros([32], device);
+    for _ in 0..reps {
+        let h = relu(x.clone().matmul(w1.clone()) + 0.1);
+        total = total + h.matmul(w2.clone()).sum_dim(1).reshape([32]);
+    }
+    std::hint::black_box(total.into_data());
+    start.elapsed()
+}
+
 /// `producers` threads each compute `each` tensors of 1,024 f32 (an elementwise chain) and send
 /// them to this thread, which adds them to a running sum as they arrive, then reads the sum.
 fn pipeline<B: Backend>(device: &B::Device, producers: usize, each: usize) -> Duration {
@@ -203,56 +234,75 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// Alternate ours and theirs `rounds` times; print both medians and return theirs / ours.
+fn verbose() -> bool {
+    std::env::var_os("FUSION_STREAMS_BENCH_VERBOSE").is_some()
+}
+
+/// Alternate ours and theirs `rounds` times; print both medians and return them (ours, theirs).
 fn compare(
     name: &str,
     theirs: &str,
     rounds: usize,
     mut ours: impl FnMut() -> Duration,
     mut plain: impl FnMut() -> Duration,
-) -> f64 {
+) -> (Duration, Duration) {
     // One untimed round each: page faults, thread start-up, lazy initialisation.
     ours();
     plain();
     let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
+    for round in 0..rounds {
         a.push(ours());
         b.push(plain());
+        if verbose() {
+            eprintln!(
+                "  {name} round {round}: ours {:.2?}, {theirs} {:.2?}",
+                a[round], b[round]
+            );
+        }
     }
     let (a, b) = (median(a), median(b));
     let ratio = b.as_secs_f64() / a.as_secs_f64();
     eprintln!(
         "{name:<24} stream-fusion {a:>10.2?}   {theirs} {b:>10.2?}   {theirs}/ours {ratio:.3}"
     );
-    ratio
+    (a, b)
 }
 
-/// One measurement: ours against plain `B` and, with `cuda`, against burn-fusion too.
+/// Whether `FUSION_STREAMS_BENCH_ONLY` lets measurement `name` run.
+fn selected(name: &str) -> bool {
+    std::env::var("FUSION_STREAMS_BENCH_ONLY").map_or(true, |only| {
+        only.split(',').any(|prefix| name.starts_with(prefix))
+    })
+}
+
+/// One measurement: ours against plain `B` and, with `cuda`, against burn-fusion too. Returns
+/// our median against plain, if it ran.
 fn measure(
     ratios: &mut Vec<(String, f64)>,
     name: String,
     rounds: usize,
     run: impl Fn(Contender) -> Duration,
-) {
-    if let Some(only) = std::env::var_os("FUSION_STREAMS_BENCH_ONLY")
-        && !name.starts_with(&*only.to_string_lossy())
-    {
-        return;
+) -> Option<Duration> {
+    if !selected(&name) {
+        return None;
     }
+    let mut against_plain = None;
     for (peer, contender) in Contender::peers() {
         let label = match peer {
             "plain" => name.clone(),
             _ => format!("{peer}-{name}"),
         };
-        let r = compare(
+        let (ours, theirs) = compare(
             &label,
             peer,
             rounds,
             || run(Contender::Ours),
             || run(contender),
         );
-        ratios.push((label, r));
+        ratios.push((label, theirs.as_secs_f64() / ours.as_secs_f64()));
+        against_plain.get_or_insert(ours);
     }
+    against_plain
 }
 
 /// Which backend a measurement runs on.
@@ -333,22 +383,62 @@ enum Work {
     Pipeline(usize, usize),
 }
 
+/// The ceiling (see the module docs): `16 × reps` MLP forwards back to back on plain `B` from
+/// one thread, against our forward rate at each thread count of `mlp` (threads, our median).
+fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[(usize, Duration)]) {
+    let device = Default::default();
+    let forwards = 16 * reps;
+    mlp_back_to_back::<Plain>(&device, forwards);
+    let mut times: Vec<_> = (0..rounds)
+        .map(|_| mlp_back_to_back::<Plain>(&device, forwards))
+        .collect();
+    times.sort();
+    let per_second = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
+    let ceiling = per_second(forwards, times[times.len() / 2]);
+    eprintln!("ceiling: {ceiling:.0} MLP forwards/s (plain, one thread, back to back)");
+    for &(threads, ours) in mlp {
+        let rate = per_second(threads * reps, ours);
+        let fraction = rate / ceiling;
+        eprintln!(
+            "ceiling-threads/{threads:<8} {rate:>10.0} forwards/s   of ceiling {fraction:.3}"
+        );
+        ratios.push((format!("ceiling-threads/{threads}"), fraction));
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; there are no filters to honour.
     let device = Default::default();
-    if let Some(len) = std::env::var("FUSION_STREAMS_BENCH_QUEUE_LEN")
-        .ok()
-        .and_then(|len| len.parse().ok())
-    {
-        // How lazily our engine dispatches: its queue bound (`EngineConfig::max_queue_len`).
-        let config = fusion_streams::EngineConfig::default().with_max_queue_len(len);
+    // How lazily our engine dispatches: its queue bound (`EngineConfig::max_queue_len`), and
+    // whether a fusing stream dispatches a run as soon as it closes.
+    let knob = |name| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
+    let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
+    if queue_len.is_some() || dispatch.is_some() {
+        let mut config = fusion_streams::EngineConfig::default();
+        if let Some(len) = queue_len {
+            config = config.with_max_queue_len(len);
+        }
+        if let Some(dispatch) = dispatch {
+            config = config.with_dispatch_closed_runs(dispatch);
+        }
         assert!(
             Ours::configure(&device, config),
             "configured before first use"
         );
-        eprintln!("our engine's queue bound: {len}");
+        eprintln!(
+            "our engine: queue bound {}, closed runs dispatched at once: {}",
+            config.max_queue_len, config.dispatch_closed_runs
+        );
     }
-    let rounds = if quick() { 3 } else { 15 };
+    let rounds = std::env::var("FUSION_STREAMS_BENCH_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(if quick() { 3 } else { 15 });
     eprintln!(
         "backend bench: {} vs {}, {rounds} alternating rounds per measurement (medians)",
         Ours::name(&device),
@@ -382,11 +472,17 @@ fn main() {
         });
     }
     let reps = if quick() { 20 } else { 200 };
+    let mut mlp = Vec::new();
     for threads in [1, 2, 4, 8, 16] {
         let name = format!("threads/{threads}");
-        measure(&mut ratios, name, rounds, |c| {
+        if let Some(ours) = measure(&mut ratios, name, rounds, |c| {
             c.run(Work::Mlp(threads, reps))
-        });
+        }) {
+            mlp.push((threads, ours));
+        }
+    }
+    if !mlp.is_empty() {
+        ceiling(&mut ratios, rounds, reps, &mlp);
     }
     let each = if quick() { 20 } else { 200 };
     for producers in [1, 4, 8] {
