@@ -13,6 +13,10 @@
 #   ./scripts/gpu-evidence.sh backend [DIR]     # StreamFusion<CubeBackend>: its tests (the
 #                                               # two-GPU to_device test needs a second GPU),
 #                                               # the burn example, the backend benchmark
+#   ./scripts/gpu-evidence.sh performance [DIR] # the backend benchmark in full (with the
+#                                               # device-thread ceiling), the losing rows with
+#                                               # closed runs waiting for the queue bound, and
+#                                               # pipeline/1 round by round with cubecl's log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -90,6 +94,20 @@ backend)
     step backend-threads-cuda ./gpu-bin/backend_threads --ignored
     step burn-multi-thread-cuda ./gpu-bin/burn_multi_thread
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
+    ;;
+performance)
+    step bench-backend-cuda ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 \
+        FUSION_STREAMS_BENCH_ONLY=short-chain,softmax,attention,layer-norm,threads/1,threads/2 \
+        step bench-backend-waiting ./gpu-bin/bench-backend --bench
+    # pipeline/1: a steady cost, or kernels compiled or tuned anew in every round?
+    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_ROUNDS=12 FUSION_STREAMS_BENCH_VERBOSE=1 \
+        step pipeline-rounds ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_ROUNDS=4 FUSION_STREAMS_BENCH_VERBOSE=1 \
+        CUBECL_DEBUG_LOG="$out/cubecl-pipeline.txt" step pipeline-cubecl-log ./gpu-bin/bench-backend --bench
+    for what in compil autotune; do
+        echo "cubecl log lines matching '$what': $(grep -ci "$what" "$out/cubecl-pipeline.txt")"
+    done
     ;;
 *)
     echo "unknown step set: $what" >&2
