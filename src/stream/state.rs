@@ -380,20 +380,21 @@ impl<R: StreamRuntime> StreamState<R> {
     /// to its fuser now, and runs the queue as soon as the fuser closes a run.
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
         self.queue.push_back(op);
+        let closed = self.dispatch_closed_runs && self.fusing() && self.offer_queued();
+        let full = !closed && self.queue.len() - self.plan.scanned() >= self.max_queue_len;
         // An exiting thread runs nothing (see `local`): its stream is drained by the service
         // thread instead.
-        if super::local::exiting() {
+        if !(closed || full) || super::local::exiting() {
             return;
         }
-        if self.dispatch_closed_runs && self.fusing() && self.offer_queued() {
+        if closed {
             self.counters.closed_runs += 1;
             tracing::trace!(stream = %self.id, ops = self.queue.len(), "a run closed: dispatched");
-            self.execute_lazily();
-        } else if self.queue.len() - self.plan.scanned() >= self.max_queue_len {
+        } else {
             self.counters.lazy_flushes += 1;
             tracing::trace!(stream = %self.id, ops = self.queue.len(), "lazy flush: queue bound reached");
-            self.execute_lazily();
         }
+        self.execute_lazily();
     }
 
     /// Run the pending segment, then the frees that were waiting for it.
