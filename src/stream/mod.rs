@@ -29,7 +29,9 @@ use crate::{Error, Result};
 #[non_exhaustive]
 pub struct EngineConfig {
     /// Queue length at which a stream executes what it has, without waiting for a read, a share
-    /// or a sync. Bounds the memory of pending work. At least 1.
+    /// or a sync. Bounds the memory of pending work. At least 1. (A fusing stream that
+    /// [dispatches closed runs](EngineConfig::dispatch_closed_runs) rarely reaches it: what it
+    /// holds is one open run, bounded by `max_fused_len`.)
     pub max_queue_len: usize,
     /// The longest a foreign drop's free may wait for the home stream's pending segment (which
     /// still reads the dropped tensor) before the engine's service thread runs that segment
