@@ -163,22 +163,43 @@ fn layer_norm<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Durat
     start.elapsed()
 }
 
-/// A small MLP forward pass (batch 32, 64 -> 128 -> 16), `reps` times, on each of `threads`
-/// threads with its own weights and input.
+/// A small MLP (batch 32, 64 -> 128 -> 16): its weights and input.
+struct Mlp<B: Backend> {
+    w1: Tensor<B, 2>,
+    w2: Tensor<B, 2>,
+    x: Tensor<B, 2>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device, seed: usize) -> Self {
+        let tensor = |n, seed, shape: [usize; 2]| {
+            Tensor::<B, 1>::from_data(data(n, seed), device).reshape(shape)
+        };
+        Self {
+            w1: tensor(64 * 128, seed, [64, 128]),
+            w2: tensor(128 * 16, seed + 1, [128, 16]),
+            x: tensor(32 * 64, seed + 2, [32, 64]),
+        }
+    }
+
+    /// One forward pass: a matmul, a bias and a ReLU, a matmul, a sum.
+    fn forward(&self) -> Tensor<B, 2> {
+        let h = relu(self.x.clone().matmul(self.w1.clone()) + 0.1);
+        h.matmul(self.w2.clone()).sum_dim(1)
+    }
+}
+
+/// The MLP forward pass, `reps` times, on each of `threads` threads with its own weights and
+/// input, each output read.
 fn mlp_threads<B: Backend>(device: &B::Device, threads: usize, reps: usize) -> Duration {
     let start = Instant::now();
     std::thread::scope(|s| {
         for t in 0..threads {
             let device = device.clone();
             s.spawn(move || {
-                let w1 = Tensor::<B, 1>::from_data(data(64 * 128, t), &device).reshape([64, 128]);
-                let w2 =
-                    Tensor::<B, 1>::from_data(data(128 * 16, t + 1), &device).reshape([128, 16]);
-                let x = Tensor::<B, 1>::from_data(data(32 * 64, t + 2), &device).reshape([32, 64]);
+                let mlp = Mlp::<B>::new(&device, t);
                 for _ in 0..reps {
-                    let h = relu(x.clone().matmul(w1.clone()) + 0.1);
-                    let y = h.matmul(w2.clone()).sum_dim(1);
-                    std::hint::black_box(y.into_data());
+                    std::hint::black_box(mlp.forward().into_data());
                 }
             });
         }
@@ -189,15 +210,12 @@ fn mlp_threads<B: Backend>(device: &B::Device, threads: usize, reps: usize) -> D
 /// The MLP forward `reps` times from one thread with no read between them, then one read:
 /// how fast the backend's client takes these kernels when nothing waits (the ceiling).
 fn mlp_back_to_back<B: Backend>(device: &B::Device, reps: usize) -> Duration {
-    let w1 = Tensor::<B, 1>::from_data(data(64 * 128, 0), device).reshape([64, 128]);
-    let w2 = Tensor::<B, 1>::from_data(data(128 * 16, 1), device).reshape([128, 16]);
-    let x = Tensor::<B, 1>::from_data(data(32 * 64, 2), device).reshape([32, 64]);
+    let mlp = Mlp::<B>::new(device, 0);
     B::sync(device).unwrap();
     let start = Instant::now();
     let mut total = Tensor::<B, 1>::zeros([32], device);
     for _ in 0..reps {
-        let h = relu(x.clone().matmul(w1.clone()) + 0.1);
-        total = total + h.matmul(w2.clone()).sum_dim(1).reshape([32]);
+        total = total + mlp.forward().reshape([32]);
     }
     std::hint::black_box(total.into_data());
     start.elapsed()
@@ -389,12 +407,11 @@ fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[(
     let device = Default::default();
     let forwards = 16 * reps;
     mlp_back_to_back::<Plain>(&device, forwards);
-    let mut times: Vec<_> = (0..rounds)
+    let times = (0..rounds)
         .map(|_| mlp_back_to_back::<Plain>(&device, forwards))
         .collect();
-    times.sort();
     let per_second = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
-    let ceiling = per_second(forwards, times[times.len() / 2]);
+    let ceiling = per_second(forwards, median(times));
     eprintln!("ceiling: {ceiling:.0} MLP forwards/s (plain, one thread, back to back)");
     for &(threads, ours) in mlp {
         let rate = per_second(threads * reps, ours);
