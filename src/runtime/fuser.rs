@@ -17,7 +17,9 @@ use crate::Result;
 /// run the fuser has accepted to the end of the queue stays queued, still planned (up to
 /// [`crate::EngineConfig::max_fused_len`] entries): later operations are offered to the same
 /// fuser, without a reset, so one kernel covers a run longer than the queue bound and each
-/// operation is offered once. A drain (a read, a share, a sync) executes the run as it stands.
+/// operation is offered once. A drain (a read, a share, a sync) executes the run as it stands:
+/// fused, or operation by operation where the fuser declines a run cut there
+/// ([`Fuser::fuse_cut_run`]).
 ///
 /// The engine keeps the rules fusion must not break:
 ///
@@ -56,4 +58,19 @@ pub trait Fuser<R: StreamRuntime>: Send {
 
     /// Forget everything offered.
     fn reset(&mut self);
+
+    /// The run offered since the last reset was cut by a drain before the fuser closed it:
+    /// whether to execute it fused (as [`Fuser::covered`] says), or to run every one of its
+    /// operations unfused.
+    ///
+    /// Where a drain cuts a run depends on when it comes, and a share's drain comes when
+    /// another thread asks: a producer's open run is cut at a different point nearly every
+    /// time. A fuser that builds and compiles a kernel per distinct run can decline a cut run it
+    /// has not met before, so that such cuts do not each compile a kernel that never runs
+    /// again, and fuse one it has (a program that reads at the same point every iteration cuts
+    /// the same run each time). Runs the fuser closed itself, or that reached
+    /// [`crate::EngineConfig::max_fused_len`], are always fused. The default fuses every run.
+    fn fuse_cut_run(&mut self) -> bool {
+        true
+    }
 }

@@ -170,7 +170,15 @@ impl<R: StreamRuntime> StreamState<R> {
             }
             let covered = fuser.covered().min(self.plan.offered.len());
             let offered = &self.plan.offered[..covered];
-            if offered.iter().filter(|(_, op)| *op).count() >= 2 {
+            let fused = offered.iter().filter(|(_, op)| *op).count() >= 2;
+            if fused && !closed && !fuser.fuse_cut_run() {
+                // A run cut by this drain that the fuser declines (see `Fuser::fuse_cut_run`):
+                // it was open, so it is everything queued, and all of it runs unfused.
+                self.counters.cut_runs_unfused += 1;
+                for entry in ops.drain(..) {
+                    self.execute_entry(entry);
+                }
+            } else if fused {
                 let end = offered[covered - 1].0 + 1;
                 let run: Vec<QueuedOp<R>> = ops.drain(..end).collect();
                 self.execute_run(run, fuser);

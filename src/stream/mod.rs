@@ -160,6 +160,9 @@ pub struct EngineStats {
     pub fused_kernels: u64,
     /// Operations executed inside fused kernels (counted in `ops_executed` too).
     pub ops_fused: u64,
+    /// Runs a drain cut before their fuser closed them that ran unfused, because the fuser
+    /// declined them ([`crate::runtime::Fuser::fuse_cut_run`]).
+    pub cut_runs_unfused: u64,
     /// Streams left out of this snapshot because it was taken from inside an executing
     /// operation while their lock was held (always 0 outside the engine).
     pub streams_skipped: usize,
@@ -184,6 +187,7 @@ impl EngineStats {
         self.deferred_flushes += c.deferred_flushes;
         self.fused_kernels += c.fused_kernels;
         self.ops_fused += c.ops_fused;
+        self.cut_runs_unfused += c.cut_runs_unfused;
     }
 
     /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.

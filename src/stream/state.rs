@@ -41,6 +41,7 @@ pub(crate) struct StreamCounters {
     pub(crate) deferred_flushes: u64,
     pub(crate) fused_kernels: u64,
     pub(crate) ops_fused: u64,
+    pub(crate) cut_runs_unfused: u64,
 }
 
 impl StreamCounters {
@@ -62,6 +63,7 @@ impl StreamCounters {
         self.deferred_flushes += other.deferred_flushes;
         self.fused_kernels += other.fused_kernels;
         self.ops_fused += other.ops_fused;
+        self.cut_runs_unfused += other.cut_runs_unfused;
     }
 }
 

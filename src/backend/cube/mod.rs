@@ -36,6 +36,14 @@
 //! nothing for them; a tensor seen again in a run changes only its status, which is all the
 //! undo log keeps of it.
 //!
+//! **Cut runs.** A run the fusers close (or that reaches the engine's length bound) is always
+//! fused. A run a drain cuts while it is still open (a read, a sync, or another thread sharing
+//! one of its tensors) is fused only once the same run has been cut
+//! [`CUT_SIGHTINGS_ENV`] times (twice by default) in the process; before that its operations
+//! run unfused ([`Fuser::fuse_cut_run`]). A kernel is compiled per distinct run, and a share's
+//! cut point depends on another thread's timing: fusing every cut run compiled a kernel for
+//! nearly every result a consumer thread took from a producer.
+//!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. The engine's CUDA rule
 //! adds that a buffer is written in place only on the stream that allocated it (see
@@ -82,7 +90,7 @@ use crate::runtime::Fuser;
 use crate::{Error, Result};
 
 use choice::*;
-pub use choice::{CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
+pub use choice::{CUT_SIGHTINGS_ENV, CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
 use kernel::*;
 use planner::*;
 use policy::*;

@@ -1,12 +1,24 @@
 //! The fuser of one stream: the fusers side by side, the trie of runs seen (their decisions and
 //! kernels, by relative prefix), and the [`Fuser`] contract the engine drives.
 
+use std::hash::{Hash, Hasher};
+use std::sync::{Mutex, PoisonError};
+
 use super::*;
 
 pub(super) type DynFuser<R> = Box<dyn OperationFuser<CubeOptimization<R>>>;
 
 /// The most runs (distinct relative prefixes) a stream remembers before it starts over.
 pub(super) const MAX_NODES: usize = 4096;
+
+/// How many times each run cut by a drain has been met in this process (see
+/// [`CUT_SIGHTINGS_ENV`]), by a hash of its relative operations and the fuser that would build
+/// its kernel. Shared by every stream, as cubecl's cache of compiled kernels is: a thread's first
+/// cut of a run another thread compiled fuses at once. Only cuts touch it, never an offer.
+static CUT_RUNS: Mutex<Option<HashMap<u64, u32>>> = Mutex::new(None);
+
+/// The most runs [`CUT_RUNS`] counts before it starts over.
+const MAX_CUT_RUNS: usize = 1 << 16;
 
 /// A relative operation as a key. The relative form holds no floating-point value (scalars
 /// are ids into the context's table), so equality is an equivalence.
@@ -56,6 +68,8 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     pub(super) runs: Vec<Node<R>>,
     /// The node of each accepted prefix, `path[0] == 0`.
     pub(super) path: Vec<usize>,
+    /// [`CUT_SIGHTINGS_ENV`], read when the stream was created.
+    pub(super) cut_sightings: u32,
 }
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
@@ -77,7 +91,38 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             relative: Relative::default(),
             runs: vec![Node::new(enabled)],
             path: vec![0],
+            cut_sightings: cut_sightings_from_env(),
         }
+    }
+
+    /// Whether the run chosen now, cut by a drain, has been met often enough to be fused (see
+    /// [`CUT_SIGHTINGS_ENV`]); counts this sighting. A run whose kernel this stream has built
+    /// already is fused without counting.
+    pub(super) fn cut_run_met_enough(&mut self) -> bool {
+        let Some((depth, kind)) = self.chosen() else {
+            return true;
+        };
+        let built = self.runs[self.path[depth]]
+            .optimizations
+            .iter()
+            .any(|(k, _)| *k == kind);
+        if built || self.cut_sightings <= 1 {
+            return true;
+        }
+        let mut hasher = std::hash::DefaultHasher::new();
+        (kind as u8, depth).hash(&mut hasher);
+        for op in &self.offered_relative[..depth] {
+            op.hash(&mut hasher);
+        }
+        let key = hasher.finish();
+        let mut runs = CUT_RUNS.lock().unwrap_or_else(PoisonError::into_inner);
+        let runs = runs.get_or_insert_with(HashMap::new);
+        if runs.len() >= MAX_CUT_RUNS {
+            runs.clear();
+        }
+        let met = runs.entry(key).or_insert(0);
+        *met = met.saturating_add(1);
+        *met >= self.cut_sightings
     }
 
     /// Fuser `kind`, fed exactly the first `depth` accepted operations of the run: fed forward
@@ -232,6 +277,10 @@ where
             handles,
         )?;
         Ok(1)
+    }
+
+    fn fuse_cut_run(&mut self) -> bool {
+        self.cut_run_met_enough()
     }
 
     fn reset(&mut self) {

@@ -166,6 +166,10 @@ fn reset(fuser: &mut CubeFuser<R, Cube>) {
     Fuser::<BackendRuntime<Cube>>::reset(fuser)
 }
 
+fn fuse_cut_run(fuser: &mut CubeFuser<R, Cube>) -> bool {
+    Fuser::<BackendRuntime<Cube>>::fuse_cut_run(fuser)
+}
+
 /// An elementwise stand-in and a reduce stand-in that takes anything once it holds a
 /// reduction.
 fn elementwise_and_reduce() -> [Option<Stand>; 4] {
@@ -379,4 +383,37 @@ fn the_fusers_env_names_fusers() {
     );
     let error = parse_kinds("elementwise,softmax").unwrap_err();
     assert!(error.contains("unknown fuser `softmax`"), "{error}");
+}
+
+/// A run cut by a drain is fused from the second time it is cut on (by default), on whichever
+/// stream: the first time its operations run unfused. A shorter cut of the same operations is
+/// another run, with its own count; with a threshold of 1 every cut run is fused.
+#[test]
+fn a_cut_run_is_fused_from_its_second_sighting_on_any_stream() {
+    // Seven chained adds: a run no other test of this binary cuts (the counts are per process).
+    let ops: Vec<OperationIr> = (0..7).map(|i| add(900 + i, 950, 901 + i)).collect();
+    let elementwise_only = || [Some(Stand::new(elementwise, elementwise)), None, None, None];
+    let mut first = fuser(elementwise_only());
+    assert_eq!(first.cut_sightings, DEFAULT_CUT_SIGHTINGS);
+    assert_eq!(offer_all(&mut first, &ops), 7);
+    assert!(!fuse_cut_run(&mut first), "first sighting: unfused");
+    reset(&mut first);
+
+    let mut other_stream = fuser(elementwise_only());
+    assert_eq!(offer_all(&mut other_stream, &ops), 7);
+    assert!(
+        fuse_cut_run(&mut other_stream),
+        "second sighting, another stream: fused"
+    );
+    reset(&mut other_stream);
+    assert_eq!(offer_all(&mut other_stream, &ops[..5]), 5);
+    assert!(
+        !fuse_cut_run(&mut other_stream),
+        "a shorter cut is a run of its own"
+    );
+
+    let mut eager = fuser(elementwise_only());
+    eager.cut_sightings = 1;
+    assert_eq!(offer_all(&mut eager, &ops[..4]), 4);
+    assert!(fuse_cut_run(&mut eager), "threshold 1: fused at once");
 }
