@@ -222,28 +222,58 @@ fn mlp_back_to_back<B: Backend>(device: &B::Device, reps: usize) -> Duration {
 
 /// `producers` threads each compute `each` tensors of 1,024 f32 (an elementwise chain) and send
 /// them to this thread, which adds them to a running sum as they arrive, then reads the sum.
+///
+/// With `FUSION_STREAMS_BENCH_VERBOSE`, each call also prints where its time went: how long the
+/// producers took to send everything, how long the consumer spent in its additions and waiting
+/// for the channel, and how long the final read took.
 fn pipeline<B: Backend>(device: &B::Device, producers: usize, each: usize) -> Duration {
     let start = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel::<Tensor<B, 1>>();
-    std::thread::scope(|s| {
-        for p in 0..producers {
-            let (tx, device) = (tx.clone(), device.clone());
-            s.spawn(move || {
-                let base = Tensor::<B, 1>::from_data(data(1024, p), &device);
-                for i in 0..each {
-                    let t = (base.clone() * (i as f32) + 1.0).tanh() * 2.0;
-                    tx.send(t).unwrap();
-                }
-            });
-        }
+    let (mut adding, mut receiving) = (Duration::ZERO, Duration::ZERO);
+    let (mut reading, mut read) = (Duration::ZERO, Duration::ZERO);
+    let produced = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..producers)
+            .map(|p| {
+                let (tx, device) = (tx.clone(), device.clone());
+                s.spawn(move || {
+                    let base = Tensor::<B, 1>::from_data(data(1024, p), &device);
+                    for i in 0..each {
+                        let t = (base.clone() * (i as f32) + 1.0).tanh() * 2.0;
+                        tx.send(t).unwrap();
+                    }
+                    start.elapsed()
+                })
+            })
+            .collect();
         drop(tx);
         let mut sum = Tensor::<B, 1>::zeros([1024], device);
-        for t in rx {
+        let mut waited = Instant::now();
+        for t in rx.iter() {
+            let added = Instant::now();
+            receiving += added - waited;
             sum = sum + t;
+            waited = Instant::now();
+            adding += waited - added;
         }
+        let reading_from = Instant::now();
         std::hint::black_box(sum.into_data());
+        reading = reading_from.elapsed();
+        read = start.elapsed();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .max()
+            .unwrap_or_default()
     });
-    start.elapsed()
+    let elapsed = start.elapsed();
+    if verbose() {
+        eprintln!(
+            "    pipeline/{producers}: {elapsed:.2?} in all; producers done after {produced:.2?}; \
+             consumer adding {adding:.2?}, receiving {receiving:.2?}, reading {reading:.2?} \
+             (done after {read:.2?}; the rest is the producers' thread exits)"
+        );
+    }
+    elapsed
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -365,12 +395,12 @@ impl Contender {
             }};
         }
         match self {
-            Contender::Ours => on!(Ours),
+            Contender::Ours => engine_counted(|| on!(Ours)),
             #[cfg(feature = "cuda")]
             Contender::OursUnfused => {
                 let streams = Ours::client(&Default::default());
                 streams.streams().set_fusion(false);
-                let elapsed = on!(Ours);
+                let elapsed = engine_counted(|| on!(Ours));
                 streams.streams().set_fusion(true);
                 elapsed
             }
@@ -379,6 +409,34 @@ impl Contender {
             Contender::BurnFusion => on!(BurnFusion),
         }
     }
+}
+
+/// Run `f` on our backend; with `FUSION_STREAMS_BENCH_VERBOSE`, print what the engine did
+/// meanwhile (its counters' growth).
+fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
+    if !verbose() {
+        return f();
+    }
+    let streams = Ours::client(&Default::default());
+    let before = streams.streams().stats();
+    let elapsed = f();
+    let after = streams.streams().stats();
+    let grew = |a: u64, b: u64| b.saturating_sub(a);
+    eprintln!(
+        "    engine: {} ops executed, {} lazy flushes, {} closed runs, {} drains ({} for shares), \
+         {} shares, {} fused kernels over {} ops, {} cut runs unfused, {} deferred frees",
+        grew(before.ops_executed, after.ops_executed),
+        grew(before.lazy_flushes, after.lazy_flushes),
+        grew(before.closed_runs, after.closed_runs),
+        grew(before.drains, after.drains),
+        grew(before.share_drains, after.share_drains),
+        grew(before.shares, after.shares),
+        grew(before.fused_kernels, after.fused_kernels),
+        grew(before.ops_fused, after.ops_fused),
+        grew(before.cut_runs_unfused, after.cut_runs_unfused),
+        grew(before.deferred_frees, after.deferred_frees),
+    );
+    elapsed
 }
 
 /// What a measurement runs.
