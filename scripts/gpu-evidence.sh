@@ -98,8 +98,16 @@ backend)
 performance)
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
     FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 \
-        FUSION_STREAMS_BENCH_ONLY=short-chain,softmax,attention,layer-norm,threads/1,threads/2 \
+        FUSION_STREAMS_BENCH_ONLY=short-chain,softmax,attention,layer-norm,threads/1,threads/2,pipeline \
         step bench-backend-waiting ./gpu-bin/bench-backend --bench
+    # The same rows with every cut run fused at once (the rule before the cut-run sightings),
+    # and pipeline with both of the day's dispatch changes undone.
+    FUSION_STREAMS_CUBE_CUT_SIGHTINGS=1 \
+        FUSION_STREAMS_BENCH_ONLY=softmax,attention,threads/1,threads/2,pipeline \
+        step bench-backend-cut-at-once ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_CUBE_CUT_SIGHTINGS=1 FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 \
+        FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_VERBOSE=1 \
+        step bench-backend-pipeline-before ./gpu-bin/bench-backend --bench
     # pipeline/1: a steady cost, or kernels compiled or tuned anew in every round?
     FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_ROUNDS=12 FUSION_STREAMS_BENCH_VERBOSE=1 \
         step pipeline-rounds ./gpu-bin/bench-backend --bench
