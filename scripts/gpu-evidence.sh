@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repository root, with the binaries staged by
 # scripts/gpu-tests.sh in gpu-bin/. Writes one log per step into the directory given (default
-# gpu-logs/), and prints a summary line per step. Step sets: tests, sanitizers, backend.
+# gpu-logs/), and prints a summary line per step. Step sets: below.
 #
 #   ./scripts/gpu-evidence.sh tests [DIR]       # the device-only tests, the suite, examples
 #   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the device tests
@@ -13,10 +13,11 @@
 #   ./scripts/gpu-evidence.sh backend [DIR]     # StreamFusion<CubeBackend>: its tests (the
 #                                               # two-GPU to_device test needs a second GPU),
 #                                               # the burn example, the backend benchmark
-#   ./scripts/gpu-evidence.sh performance [DIR] # the backend benchmark in full (with the
-#                                               # device-thread ceiling), the losing rows with
-#                                               # closed runs waiting for the queue bound, and
-#                                               # pipeline/1 round by round with cubecl's log
+#   ./scripts/gpu-evidence.sh performance [DIR] # the rows the dispatch rules move, with each
+#                                               # rule undone in turn (same binary), and
+#                                               # pipeline's time round by round
+#   ./scripts/gpu-evidence.sh bench-full [DIR]  # the backend benchmark in full, with the
+#                                               # device-thread ceiling
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -96,26 +97,28 @@ backend)
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
     ;;
 performance)
+    # The rows the dispatch rules move, in one process each, 7 rounds: with the defaults, then
+    # with each rule undone on its own, then with all of them undone (the rules of 2026-12-02).
+    export FUSION_STREAMS_BENCH_ROUNDS=${FUSION_STREAMS_BENCH_ROUNDS:-7}
+    rows=pipeline,attention/128,softmax,threads/1,threads/2
+    FUSION_STREAMS_BENCH_ONLY=$rows step ab-defaults ./gpu-bin/bench-backend --bench
+    # Runs another thread cuts counted like the thread's own (fused from their second cut).
+    FUSION_STREAMS_CUBE_FOREIGN_CUT_SIGHTINGS=2 FUSION_STREAMS_BENCH_ONLY=$rows \
+        step ab-foreign-cuts-counted ./gpu-bin/bench-backend --bench
+    # Closed runs wait for the queue bound instead of being dispatched as they close.
+    FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 FUSION_STREAMS_BENCH_ONLY=$rows \
+        step ab-waiting ./gpu-bin/bench-backend --bench
+    # Every cut run fused at once, and closed runs waiting.
+    FUSION_STREAMS_CUBE_CUT_SIGHTINGS=1 FUSION_STREAMS_CUBE_FOREIGN_CUT_SIGHTINGS=1 \
+        FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 FUSION_STREAMS_BENCH_ONLY=$rows \
+        step ab-all-undone ./gpu-bin/bench-backend --bench
+    # Where pipeline's time goes with the defaults, round by round.
+    FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_VERBOSE=1 \
+        step pipeline-verbose ./gpu-bin/bench-backend --bench
+    ;;
+bench-full)
+    # The backend benchmark in full (with the device-thread ceiling).
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
-    FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 \
-        FUSION_STREAMS_BENCH_ONLY=short-chain,softmax,attention,layer-norm,threads/1,threads/2,pipeline \
-        step bench-backend-waiting ./gpu-bin/bench-backend --bench
-    # The same rows with every cut run fused at once (the rule before the cut-run sightings),
-    # and pipeline with both of the day's dispatch changes undone.
-    FUSION_STREAMS_CUBE_CUT_SIGHTINGS=1 \
-        FUSION_STREAMS_BENCH_ONLY=softmax,attention,threads/1,threads/2,pipeline \
-        step bench-backend-cut-at-once ./gpu-bin/bench-backend --bench
-    FUSION_STREAMS_CUBE_CUT_SIGHTINGS=1 FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0 \
-        FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_VERBOSE=1 \
-        step bench-backend-pipeline-before ./gpu-bin/bench-backend --bench
-    # pipeline/1: a steady cost, or kernels compiled or tuned anew in every round?
-    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_ROUNDS=12 FUSION_STREAMS_BENCH_VERBOSE=1 \
-        step pipeline-rounds ./gpu-bin/bench-backend --bench
-    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_ROUNDS=4 FUSION_STREAMS_BENCH_VERBOSE=1 \
-        CUBECL_DEBUG_LOG="$out/cubecl-pipeline.txt" step pipeline-cubecl-log ./gpu-bin/bench-backend --bench
-    for what in compil autotune; do
-        echo "cubecl log lines matching '$what': $(grep -ci "$what" "$out/cubecl-pipeline.txt")"
-    done
     ;;
 *)
     echo "unknown step set: $what" >&2

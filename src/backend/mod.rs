@@ -68,7 +68,10 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 #[cfg(feature = "cuda")]
-pub use cube::{CUT_SIGHTINGS_ENV, CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
+pub use cube::{
+    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV, cube_fuser,
+    cube_fuser_with,
+};
 pub use fuser_registry::register_fuser;
 pub use publication_routes::{BackendEvent, BackendSource};
 pub use record::Tensor;

@@ -59,18 +59,33 @@ pub trait Fuser<R: StreamRuntime>: Send {
     /// Forget everything offered.
     fn reset(&mut self);
 
-    /// The run offered since the last reset was cut by a drain before the fuser closed it:
-    /// whether to execute it fused (as [`Fuser::covered`] says), or to run every one of its
-    /// operations unfused.
+    /// The run offered since the last reset was cut by a drain before the fuser closed it
+    /// (`cut` says whose): whether to execute it fused (as [`Fuser::covered`] says), or to run
+    /// every one of its operations unfused.
     ///
-    /// Where a drain cuts a run depends on when it comes, and a share's drain comes when
-    /// another thread asks: a producer's open run is cut at a different point nearly every
-    /// time. A fuser that builds and compiles a kernel per distinct run can decline a cut run it
-    /// has not met before, so that such cuts do not each compile a kernel that never runs
-    /// again, and fuse one it has (a program that reads at the same point every iteration cuts
-    /// the same run each time). Runs the fuser closed itself, or that reached
-    /// [`crate::EngineConfig::max_fused_len`], are always fused. The default fuses every run.
-    fn fuse_cut_run(&mut self) -> bool {
+    /// Where a drain cuts a run depends on when it comes. A program that reads at the same
+    /// point every iteration cuts the same run each time ([`Cut::Own`]), but a share's or a
+    /// foreign read's drain comes when another thread asks ([`Cut::Foreign`]): a producer's
+    /// open run is cut at a different point nearly every time. A fuser that builds and compiles
+    /// a kernel per distinct run can decline a cut run it has not met before, so that such cuts
+    /// do not each compile a kernel that never runs again. Runs the fuser closed itself, or
+    /// that reached [`crate::EngineConfig::max_fused_len`], are always fused. The default fuses
+    /// every run.
+    fn fuse_cut_run(&mut self, cut: Cut) -> bool {
+        let _ = cut;
         true
     }
+}
+
+/// Whose drain cut a run before its fuser closed it ([`Fuser::fuse_cut_run`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Cut {
+    /// The stream's own thread (a read, a sync), or the engine's service thread (a thread's
+    /// exit, a deferred free's deadline): where it cuts repeats when the program does.
+    #[default]
+    Own,
+    /// Another thread, sharing or reading one of the stream's tensors, or draining it by id:
+    /// where it cuts depends on when that thread came.
+    Foreign,
 }

@@ -18,7 +18,7 @@ mod pinned;
 mod retirement;
 mod transfer_runtime;
 
-pub use fuser::Fuser;
+pub use fuser::{Cut, Fuser};
 pub use pinned::PinnedHostBuffer;
 #[cfg(feature = "cuda")]
 pub(crate) use pinned::PinnedMemory;

@@ -171,7 +171,7 @@ impl<R: StreamRuntime> StreamState<R> {
             let covered = fuser.covered().min(self.plan.offered.len());
             let offered = &self.plan.offered[..covered];
             let fused = offered.iter().filter(|(_, op)| *op).count() >= 2;
-            if fused && !closed && !fuser.fuse_cut_run() {
+            if fused && !closed && !fuser.fuse_cut_run(self.cut) {
                 // A run cut by this drain that the fuser declines (see `Fuser::fuse_cut_run`):
                 // it was open, so it is everything queued, and all of it runs unfused.
                 self.counters.cut_runs_unfused += 1;

@@ -486,7 +486,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         }
         let cell = self.streams.read().get(&id).cloned();
         if let Some(cell) = cell {
-            cell.lock().drain();
+            cell.lock().drain_here();
         }
     }
 
@@ -499,7 +499,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             if local::exiting() {
                 service::drain(self.hook(), cell.id);
             } else {
-                cell.lock().drain();
+                cell.lock().drain_here();
             }
         }
     }

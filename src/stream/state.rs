@@ -107,6 +107,8 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) released: Vec<R::FusionHandle>,
     /// A deadline for the deferred frees is scheduled on the service thread.
     pub(crate) flush_scheduled: bool,
+    /// Whose drain is running (for a run it cuts: [`crate::runtime::Fuser::fuse_cut_run`]).
+    pub(crate) cut: crate::runtime::Cut,
     pub(crate) counters: StreamCounters,
     /// Set when the stream was removed from the engine's map (its thread exited and it became
     /// empty). A retired state is never used again; a later user of the id gets a fresh one.
@@ -145,6 +147,7 @@ impl<R: StreamRuntime> StreamState<R> {
             deferred_frees: Vec::new(),
             released: Vec::new(),
             flush_scheduled: false,
+            cut: crate::runtime::Cut::Own,
             counters: StreamCounters::default(),
             retired: false,
             orphaned: false,
@@ -408,13 +411,26 @@ impl<R: StreamRuntime> StreamState<R> {
         self.execute_all();
     }
 
-    /// Make sure `id` is produced, draining if its producer is still queued. Returns whether a
-    /// drain ran.
+    /// [`StreamState::drain`] for the current thread: a drain by another stream's thread is
+    /// [foreign](crate::runtime::Cut::Foreign) to the runs it cuts here.
+    pub(crate) fn drain_here(&mut self) {
+        use crate::runtime::Cut;
+        self.cut = if StreamId::current() == self.id {
+            Cut::Own
+        } else {
+            Cut::Foreign
+        };
+        self.drain();
+        self.cut = Cut::Own;
+    }
+
+    /// Make sure `id` is produced, draining if its producer is still queued (for the current
+    /// thread: [`StreamState::drain_here`]). Returns whether a drain ran.
     pub(crate) fn materialise(&mut self, id: &TensorId) -> bool {
         if self.is_materialised(id) || self.queue.is_empty() {
             return false;
         }
-        self.drain();
+        self.drain_here();
         true
     }
 }

@@ -17,39 +17,49 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 /// nothing measurable yet.
 pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 
-/// The environment variable that sets how many times a run cut by a drain (a read, a share, a
-/// sync) before its fusers closed it must have been met, in this process on any stream, for it
-/// to be fused (read when a stream is created). Unset, it is 2: a cut run met for the first time
-/// runs operation by operation, and from its second time on as one kernel. `1` fuses every cut
-/// run, as a run closed by its fusers always is.
+/// The environment variable that sets how many times a run cut by its own thread's drain (a
+/// read, a sync) before its fusers closed it must have been met, in this process on any stream,
+/// for it to be fused (read when a stream is created). Unset, it is 2: a cut run met for the
+/// first time runs operation by operation, and from its second time on as one kernel. `1` fuses
+/// every such run, as a run closed by its fusers always is; `0` fuses none whose kernel the
+/// stream has not built already. A program that reads at the same point every iteration cuts
+/// the same run each time, and pays one unfused iteration.
 ///
-/// Why: a fused kernel is compiled once per distinct run, which costs milliseconds, and where a
-/// share's drain cuts the open run of the stream it drains depends on the other thread's timing.
-/// A producer thread whose results a consumer shares one by one was cut at a new point nearly
-/// every time, and compiled about ten kernels per 200 results that never ran again: 0.015 of
-/// plain `CubeBackend` on the H200 (`docs/logs/2026-12-03-pipeline-compilations.log`). A program
-/// that reads at the same point every iteration cuts the same run each time, and pays one
-/// unfused iteration. An unknown value is reported (a `tracing` warning) and 2 is used.
+/// Why: a fused kernel is compiled once per distinct run, which costs milliseconds. Runs cut by
+/// another thread's drain follow [`FOREIGN_CUT_SIGHTINGS_ENV`]. An unknown value is reported (a
+/// `tracing` warning) and the default is used.
 pub const CUT_SIGHTINGS_ENV: &str = "FUSION_STREAMS_CUBE_CUT_SIGHTINGS";
 
 /// [`CUT_SIGHTINGS_ENV`]'s default.
 pub(super) const DEFAULT_CUT_SIGHTINGS: u32 = 2;
 
-/// The number of sightings [`CUT_SIGHTINGS_ENV`] asks for.
-pub(super) fn cut_sightings_from_env() -> u32 {
-    match std::env::var(CUT_SIGHTINGS_ENV) {
-        Ok(value) => match value.trim().parse::<u32>() {
-            Ok(n) if n >= 1 => n,
-            _ => {
-                tracing::warn!(
-                    target: "fusion_streams",
-                    "{CUT_SIGHTINGS_ENV}={value:?} is not a whole number of at least 1; using \
-                     {DEFAULT_CUT_SIGHTINGS}"
-                );
-                DEFAULT_CUT_SIGHTINGS
-            }
-        },
-        Err(_) => DEFAULT_CUT_SIGHTINGS,
+/// [`CUT_SIGHTINGS_ENV`] for runs cut by another thread's drain: a share of one of the stream's
+/// tensors, a read of one from another thread ([`crate::runtime::Cut::Foreign`]). Unset, it is
+/// 0: such a run executes operation by operation unless the stream has built its kernel
+/// already (it closed the same run before).
+///
+/// Why: where another thread's drain cuts the open run depends on that thread's timing. A
+/// producer thread whose results a consumer shares one by one is cut at a new point nearly
+/// every time: fusing every cut compiled about ten kernels per 200 results that never ran
+/// again, 0.015 of plain `CubeBackend` on the H200
+/// (`docs/logs/2026-12-03-pipeline-compilations.log`), and counting sightings still compiles
+/// every cut point that comes up twice.
+pub const FOREIGN_CUT_SIGHTINGS_ENV: &str = "FUSION_STREAMS_CUBE_FOREIGN_CUT_SIGHTINGS";
+
+/// [`FOREIGN_CUT_SIGHTINGS_ENV`]'s default.
+pub(super) const DEFAULT_FOREIGN_CUT_SIGHTINGS: u32 = 0;
+
+/// The number of sightings environment variable `name` asks for, `default` when unset.
+pub(super) fn sightings_from_env(name: &str, default: u32) -> u32 {
+    match std::env::var(name) {
+        Ok(value) => value.trim().parse::<u32>().unwrap_or_else(|_| {
+            tracing::warn!(
+                target: "fusion_streams",
+                "{name}={value:?} is not a whole number; using {default}"
+            );
+            default
+        }),
+        Err(_) => default,
     }
 }
 

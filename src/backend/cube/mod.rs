@@ -37,12 +37,13 @@
 //! undo log keeps of it.
 //!
 //! **Cut runs.** A run the fusers close (or that reaches the engine's length bound) is always
-//! fused. A run a drain cuts while it is still open (a read, a sync, or another thread sharing
-//! one of its tensors) is fused only once the same run has been cut
-//! [`CUT_SIGHTINGS_ENV`] times (twice by default) in the process; before that its operations
-//! run unfused ([`Fuser::fuse_cut_run`]). A kernel is compiled per distinct run, and a share's
-//! cut point depends on another thread's timing: fusing every cut run compiled a kernel for
-//! nearly every result a consumer thread took from a producer.
+//! fused. A run its own thread's drain cuts while it is still open (a read, a sync) is fused
+//! only once the same run has been cut [`CUT_SIGHTINGS_ENV`] times (twice by default) in the
+//! process; before that its operations run unfused ([`Fuser::fuse_cut_run`]). A run another
+//! thread's drain cuts (a share or a read of one of its tensors) runs unfused unless the stream
+//! has built its kernel already ([`FOREIGN_CUT_SIGHTINGS_ENV`]). A kernel is compiled per
+//! distinct run, and another thread's cut point depends on its timing: fusing every cut run
+//! compiled a kernel for nearly every result a consumer thread took from a producer.
 //!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. The engine's CUDA rule
@@ -86,11 +87,14 @@ use smallvec::SmallVec;
 
 use super::BackendRuntime;
 use super::record::Take;
-use crate::runtime::Fuser;
+use crate::runtime::{Cut, Fuser};
 use crate::{Error, Result};
 
 use choice::*;
-pub use choice::{CUT_SIGHTINGS_ENV, CubeStreamFuser, FUSERS_ENV, cube_fuser, cube_fuser_with};
+pub use choice::{
+    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV, cube_fuser,
+    cube_fuser_with,
+};
 use kernel::*;
 use planner::*;
 use policy::*;

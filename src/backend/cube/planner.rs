@@ -70,6 +70,8 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     pub(super) path: Vec<usize>,
     /// [`CUT_SIGHTINGS_ENV`], read when the stream was created.
     pub(super) cut_sightings: u32,
+    /// [`FOREIGN_CUT_SIGHTINGS_ENV`], read when the stream was created.
+    pub(super) foreign_cut_sightings: u32,
 }
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
@@ -91,14 +93,18 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             relative: Relative::default(),
             runs: vec![Node::new(enabled)],
             path: vec![0],
-            cut_sightings: cut_sightings_from_env(),
+            cut_sightings: sightings_from_env(CUT_SIGHTINGS_ENV, DEFAULT_CUT_SIGHTINGS),
+            foreign_cut_sightings: sightings_from_env(
+                FOREIGN_CUT_SIGHTINGS_ENV,
+                DEFAULT_FOREIGN_CUT_SIGHTINGS,
+            ),
         }
     }
 
-    /// Whether the run chosen now, cut by a drain, has been met often enough to be fused (see
-    /// [`CUT_SIGHTINGS_ENV`]); counts this sighting. A run whose kernel this stream has built
-    /// already is fused without counting.
-    pub(super) fn cut_run_met_enough(&mut self) -> bool {
+    /// Whether the run chosen now, cut by `cut`'s drain, has been met often enough to be fused
+    /// (see [`CUT_SIGHTINGS_ENV`] and [`FOREIGN_CUT_SIGHTINGS_ENV`]); counts this sighting. A run
+    /// whose kernel this stream has built already is fused without counting.
+    pub(super) fn cut_run_met_enough(&mut self, cut: Cut) -> bool {
         let Some((depth, kind)) = self.chosen() else {
             return true;
         };
@@ -106,8 +112,15 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             .optimizations
             .iter()
             .any(|(k, _)| *k == kind);
-        if built || self.cut_sightings <= 1 {
+        let needed = match cut {
+            Cut::Foreign => self.foreign_cut_sightings,
+            _ => self.cut_sightings,
+        };
+        if built || needed == 1 {
             return true;
+        }
+        if needed == 0 {
+            return false;
         }
         let mut hasher = std::hash::DefaultHasher::new();
         (kind as u8, depth).hash(&mut hasher);
@@ -122,7 +135,7 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
         }
         let met = runs.entry(key).or_insert(0);
         *met = met.saturating_add(1);
-        *met >= self.cut_sightings
+        *met >= needed
     }
 
     /// Fuser `kind`, fed exactly the first `depth` accepted operations of the run: fed forward
@@ -279,8 +292,8 @@ where
         Ok(1)
     }
 
-    fn fuse_cut_run(&mut self) -> bool {
-        self.cut_run_met_enough()
+    fn fuse_cut_run(&mut self, cut: Cut) -> bool {
+        self.cut_run_met_enough(cut)
     }
 
     fn reset(&mut self) {

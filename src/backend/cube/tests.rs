@@ -166,8 +166,8 @@ fn reset(fuser: &mut CubeFuser<R, Cube>) {
     Fuser::<BackendRuntime<Cube>>::reset(fuser)
 }
 
-fn fuse_cut_run(fuser: &mut CubeFuser<R, Cube>) -> bool {
-    Fuser::<BackendRuntime<Cube>>::fuse_cut_run(fuser)
+fn fuse_cut_run(fuser: &mut CubeFuser<R, Cube>, cut: Cut) -> bool {
+    Fuser::<BackendRuntime<Cube>>::fuse_cut_run(fuser, cut)
 }
 
 /// An elementwise stand-in and a reduce stand-in that takes anything once it holds a
@@ -396,24 +396,64 @@ fn a_cut_run_is_fused_from_its_second_sighting_on_any_stream() {
     let mut first = fuser(elementwise_only());
     assert_eq!(first.cut_sightings, DEFAULT_CUT_SIGHTINGS);
     assert_eq!(offer_all(&mut first, &ops), 7);
-    assert!(!fuse_cut_run(&mut first), "first sighting: unfused");
+    assert!(
+        !fuse_cut_run(&mut first, Cut::Own),
+        "first sighting: unfused"
+    );
     reset(&mut first);
 
     let mut other_stream = fuser(elementwise_only());
     assert_eq!(offer_all(&mut other_stream, &ops), 7);
     assert!(
-        fuse_cut_run(&mut other_stream),
+        fuse_cut_run(&mut other_stream, Cut::Own),
         "second sighting, another stream: fused"
     );
     reset(&mut other_stream);
     assert_eq!(offer_all(&mut other_stream, &ops[..5]), 5);
     assert!(
-        !fuse_cut_run(&mut other_stream),
+        !fuse_cut_run(&mut other_stream, Cut::Own),
         "a shorter cut is a run of its own"
     );
 
     let mut eager = fuser(elementwise_only());
     eager.cut_sightings = 1;
     assert_eq!(offer_all(&mut eager, &ops[..4]), 4);
-    assert!(fuse_cut_run(&mut eager), "threshold 1: fused at once");
+    assert!(
+        fuse_cut_run(&mut eager, Cut::Own),
+        "threshold 1: fused at once"
+    );
+}
+
+/// A run another thread's drain cuts runs unfused however often it is met (by default), and
+/// does not count toward the sightings of its own thread's cuts; with a foreign threshold set,
+/// foreign cuts are counted like the others.
+#[test]
+fn a_run_cut_by_another_thread_runs_unfused_by_default() {
+    // Six chained adds: a run no other test of this binary cuts (the counts are per process).
+    let ops: Vec<OperationIr> = (0..6).map(|i| add(700 + i, 750, 701 + i)).collect();
+    let elementwise_only = || [Some(Stand::new(elementwise, elementwise)), None, None, None];
+    let mut stream = fuser(elementwise_only());
+    assert_eq!(stream.foreign_cut_sightings, DEFAULT_FOREIGN_CUT_SIGHTINGS);
+    for sighting in 1..=3 {
+        assert_eq!(offer_all(&mut stream, &ops), 6);
+        assert!(
+            !fuse_cut_run(&mut stream, Cut::Foreign),
+            "foreign cut, sighting {sighting}: unfused"
+        );
+        reset(&mut stream);
+    }
+    assert_eq!(offer_all(&mut stream, &ops), 6);
+    assert!(
+        !fuse_cut_run(&mut stream, Cut::Own),
+        "the foreign cuts were not counted: the first own cut is unfused"
+    );
+    reset(&mut stream);
+
+    let mut counted = fuser(elementwise_only());
+    counted.foreign_cut_sightings = 2;
+    assert_eq!(offer_all(&mut counted, &ops[..3]), 3);
+    assert!(!fuse_cut_run(&mut counted, Cut::Foreign), "first: unfused");
+    reset(&mut counted);
+    assert_eq!(offer_all(&mut counted, &ops[..3]), 3);
+    assert!(fuse_cut_run(&mut counted, Cut::Foreign), "second: fused");
 }

@@ -1,0 +1,110 @@
+//! A run cut by a drain before its fuser closed it reaches [`Fuser::fuse_cut_run`] with whose
+//! drain cut it: the stream's own thread (a read) or another thread (a share of one of its
+//! tensors). A fuser that declines runs the whole cut run unfused, with the values of plain
+//! NdArray.
+//!
+//! The backend type here, `NdArray<f32, i32>`, is used by no other test of this binary: its
+//! engine gets the recording fuser below through `register_fuser`.
+
+use std::sync::{Mutex, Once};
+
+use burn_ir::{HandleContainer, OperationIr};
+use burn_ndarray::NdArray;
+use burn_tensor::{Tensor, TensorData};
+use fusion_streams::backend::{BackendContext, BackendRuntime, StreamFusion, register_fuser};
+use fusion_streams::runtime::{Cut, Fuser};
+
+type Plain = NdArray<f32, i32>;
+type Ours = StreamFusion<Plain>;
+type Handles = HandleContainer<<Plain as burn_ir::BackendIr>::Handle>;
+
+/// The cuts the fusers of `Ours` were asked about, in order, with the number of entries each
+/// cut run held.
+static CUTS: Mutex<Vec<(Cut, usize)>> = Mutex::new(Vec::new());
+
+/// A fuser that takes every operation and declines every cut run, recording whose drain cut
+/// it. Its runs are never closed, so it never executes one itself.
+#[derive(Default)]
+struct DeclineAndRecord {
+    offered: usize,
+}
+
+impl Fuser<BackendRuntime<Plain>> for DeclineAndRecord {
+    fn offer(&mut self, _: &OperationIr, _: &Handles) -> bool {
+        self.offered += 1;
+        true
+    }
+
+    fn covered(&self) -> usize {
+        self.offered
+    }
+
+    fn execute(
+        &mut self,
+        _: &mut Handles,
+        _: &BackendContext<Plain>,
+    ) -> fusion_streams::Result<usize> {
+        Err(fusion_streams::Error::InvalidOperation {
+            op: "DeclineAndRecord".into(),
+            detail: "asked to execute a run it declined or never closed".into(),
+        })
+    }
+
+    fn reset(&mut self) {
+        self.offered = 0;
+    }
+
+    fn fuse_cut_run(&mut self, cut: Cut) -> bool {
+        CUTS.lock().unwrap().push((cut, self.offered));
+        false
+    }
+}
+
+fn client() -> fusion_streams::FusionClient<BackendRuntime<Plain>> {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| register_fuser::<Plain>(|_| Box::new(DeclineAndRecord::default())));
+    Ours::client(&Default::default())
+}
+
+fn input<B: burn_backend::Backend>() -> Tensor<B, 1> {
+    let v: Vec<f32> = (0..64).map(|i| (i % 9) as f32 / 4.0 - 1.0).collect();
+    Tensor::from_data(TensorData::new(v, [64]), &Default::default())
+}
+
+/// What the program below computes, on any backend: a producer's two operations, a consumer's
+/// two on the result, and the producer's own two more, read.
+fn program<B: burn_backend::Backend>() -> (TensorData, TensorData) {
+    let x = input::<B>();
+    let y = x.clone() * 2.0 + 1.0;
+    let consumed = std::thread::spawn(move || ((y + 1.0) * 3.0).into_data())
+        .join()
+        .unwrap();
+    let own = ((x - 0.5) * 4.0).into_data();
+    (consumed, own)
+}
+
+#[test]
+fn a_share_cuts_as_foreign_and_a_read_as_own_and_declined_runs_are_unfused() {
+    let client = client();
+    let before = client.stats();
+    CUTS.lock().unwrap().clear();
+    let (consumed, own) = program::<Ours>();
+    let cuts = CUTS.lock().unwrap().clone();
+    // The consumer's share of `y` cuts the producer's open run of two operations (and the drop
+    // of `y`'s first product, whose last reference went with them); the consumer's read cuts
+    // its own run of two; the producer's read cuts its second run of two.
+    let whose: Vec<Cut> = cuts.iter().map(|(cut, _)| *cut).collect();
+    assert_eq!(whose, [Cut::Foreign, Cut::Own, Cut::Own], "{cuts:?}");
+    assert!(cuts.iter().all(|(_, entries)| *entries >= 2), "{cuts:?}");
+    let after = client.stats();
+    assert_eq!(
+        after.cut_runs_unfused - before.cut_runs_unfused,
+        3,
+        "{after:?}"
+    );
+    assert_eq!(after.fused_kernels, before.fused_kernels, "{after:?}");
+
+    let (want_consumed, want_own) = program::<Plain>();
+    assert_eq!(consumed, want_consumed);
+    assert_eq!(own, want_own);
+}
