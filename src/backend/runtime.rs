@@ -275,6 +275,10 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
             .is_some_and(|rules| rules.foreign_to(handle, stream))
     }
 
+    fn has_foreign_buffers(ctx: &BackendContext<B>) -> bool {
+        ctx.rules.is_some()
+    }
+
     fn order_use(ctx: &BackendContext<B>, handle: &B::Handle, stream: StreamId) {
         if let Some(rules) = &ctx.rules {
             rules.order_use(handle, stream);

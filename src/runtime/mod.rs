@@ -205,6 +205,15 @@ pub trait StreamRuntime: FusionRuntime {
         false
     }
 
+    /// Whether [`StreamRuntime::foreign_to`] can say `true` for any buffer of `ctx`. `false`
+    /// lets the engine skip looking up each consumed operand's handle to ask. `true` by default,
+    /// so that a runtime that overrides `foreign_to` alone stays right; a runtime whose buffers
+    /// are never foreign says `false`.
+    fn has_foreign_buffers(ctx: &Self::Context) -> bool {
+        let _ = ctx;
+        true
+    }
+
     /// Make work dispatched on `stream` from now on wait, on the device, for every write already
     /// dispatched to `handle`'s buffer. The engine calls it when a buffer crosses to another
     /// stream: a shared view is registered there, or a tensor is read there. Dispatch only: it

@@ -339,18 +339,23 @@ impl<R: StreamRuntime> StreamState<R> {
         // operation writes a fresh buffer; the second owner is then let go of in order, like
         // the map's own handle (see `StreamState::let_go`), since the kernel just dispatched
         // may still read the buffer after the operation dropped its own owner.
-        let kept: SmallVec<[R::FusionHandle; 2]> = op
-            .inputs()
-            .into_iter()
-            .filter(|input| input.status == TensorStatus::ReadWrite)
-            .filter_map(|input| self.handles.get_handle_ref(&input.id))
-            .filter(|handle| R::foreign_to(&self.context, handle, self.id))
-            .cloned()
-            .collect();
+        let mut kept: SmallVec<[R::FusionHandle; 2]> = SmallVec::new();
+        if R::has_foreign_buffers(&self.context) {
+            kept.extend(
+                op.inputs()
+                    .into_iter()
+                    .filter(|input| input.status == TensorStatus::ReadWrite)
+                    .filter_map(|input| self.handles.get_handle_ref(&input.id))
+                    .filter(|handle| R::foreign_to(&self.context, handle, self.id))
+                    .cloned(),
+            );
+        }
         let (handles, context) = (&mut self.handles, &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
-        for handle in kept {
-            self.let_go(handle);
+        if !kept.is_empty() {
+            for handle in kept {
+                self.let_go(handle);
+            }
         }
         let failure = match outcome {
             Ok(Ok(())) => None,

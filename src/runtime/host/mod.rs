@@ -483,6 +483,11 @@ impl StreamRuntime for HostRuntime {
         }
     }
 
+    fn has_foreign_buffers(_: &HostContext) -> bool {
+        // Every host buffer carries its last writer's completion marker (`foreign_to`'s default).
+        false
+    }
+
     fn can_mut(handle: &HostHandle) -> bool {
         Arc::strong_count(&handle.storage) == 1
     }
