@@ -352,6 +352,8 @@ impl<R: StreamRuntime> StreamState<R> {
         }
         let (handles, context) = (&mut self.handles, &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
+        // Not iterated when empty: `into_iter` moves the list's inline storage (two handles),
+        // which on the host path cost more than the rest of this check.
         if !kept.is_empty() {
             for handle in kept {
                 self.let_go(handle);

@@ -113,8 +113,8 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             .iter()
             .any(|(k, _)| *k == kind);
         let needed = match cut {
+            Cut::Own => self.cut_sightings,
             Cut::Foreign => self.foreign_cut_sightings,
-            _ => self.cut_sightings,
         };
         if built || needed == 1 {
             return true;
