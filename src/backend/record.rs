@@ -8,14 +8,15 @@
 //! (burn's own builder, usually), its [`OperationIr`] variant, and its run function.
 
 use burn_ir::{
-    BackendIr, BinaryOpIr, HandleContainer, OperationIr, ScalarIr, ScalarOpIr, TensorHandle,
-    TensorId, TensorIr, UnaryOpIr,
+    BackendIr, BinaryOpIr, Handle, HandleContainer, OperationIr, ScalarIr, ScalarOpIr,
+    TensorHandle, TensorId, TensorIr, TensorStatus, UnaryOpIr,
 };
 use smallvec::SmallVec;
 
 use super::IrBackend;
 use super::runtime::BackendRuntime;
 use crate::operation::{Irs, OpBody};
+use crate::small::{Arity, Fixed, Gather, Listed as Many};
 use crate::{FusionClient, FusionTensor, Operand, Result};
 
 /// A tensor of the stream-fusion backend over `B`.
@@ -67,6 +68,19 @@ pub(crate) struct Listed<I> {
     ir: I,
     inputs: SmallVec<[TensorIr; 2]>,
     outputs: SmallVec<[TensorIr; 1]>,
+}
+
+impl<I> Listed<I> {
+    /// `ir` with its operands `inputs`; the outputs are read off its burn IR once, here, not on
+    /// every use.
+    fn new(ir: I, inputs: SmallVec<[TensorIr; 2]>, repr: fn(&I) -> OperationIr) -> Self {
+        let outputs = repr(&ir).outputs().cloned().collect();
+        Self {
+            ir,
+            inputs,
+            outputs,
+        }
+    }
 }
 
 impl<I: Send + Sync + 'static> OpIr for Listed<I> {
@@ -124,6 +138,12 @@ impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
         // ops. Both are plain data; no executor capture or other user code lives in a backend op.
         false
     }
+
+    fn may_skip_outputs(&self) -> bool {
+        // Every run function registers each output its IR declares (or panics, which the engine
+        // records on all of them).
+        false
+    }
 }
 
 /// Record an operation on the current stream of its first operand's client.
@@ -146,13 +166,14 @@ pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static, const N: usize, con
     run: fn(&I, &mut Handles<B>),
 ) -> [Tensor<B>; K] {
     let client = first_client(&operands);
-    let ir = |inputs: &[TensorIr], id: &mut dyn FnMut() -> TensorId| {
-        ir(std::array::from_fn(|k| inputs[k].clone()), id)
-    };
-    let mut outputs = record_on(&client, name, operands, ir, repr, run).into_iter();
-    let array = std::array::from_fn(|_| outputs.next().expect("an output per declared one"));
-    debug_assert!(outputs.next().is_none(), "{name} has {K} outputs");
-    array
+    record_ir::<B, _, Fixed<N>, _>(
+        &client,
+        name,
+        operands.map(Operand::Consume),
+        listed(ir, repr),
+        repr,
+        run,
+    )
 }
 
 /// [`record`] for an operation with exactly one output.
@@ -177,17 +198,24 @@ pub(crate) fn record_on<B: IrBackend, I: Send + Sync + 'static>(
     repr: fn(&I) -> OperationIr,
     run: fn(&I, &mut Handles<B>),
 ) -> SmallVec<[Tensor<B>; 1]> {
-    let listed = |inputs: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
+    let operands = crate::small::collect(operands.into_iter().map(Operand::Consume));
+    let ir = |inputs: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
         let ir = ir(&inputs, id);
-        // The outputs are read off the operation's burn IR once, here, not on every use.
-        let outputs = repr(&ir).outputs().cloned().collect();
-        Listed {
-            ir,
-            inputs,
-            outputs,
-        }
+        Listed::new(ir, inputs, repr)
     };
-    record_ir(client, name, operands, listed, repr, run)
+    record_ir::<B, _, Many, _>(client, name, operands, ir, repr, run)
+}
+
+/// An IR builder for a [`Listed`] IR of `N` operands, which takes them by value: the list beside
+/// the struct is a copy.
+fn listed<I: Send + Sync + 'static, const N: usize>(
+    ir: impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> I,
+    repr: fn(&I) -> OperationIr,
+) -> impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> Listed<I> {
+    move |inputs, id| {
+        let copies = crate::small::collect(inputs.iter().cloned());
+        Listed::new(ir(inputs, id), copies, repr)
+    }
 }
 
 /// The client of an operation's first operand: the stream it is recorded on.
@@ -204,43 +232,50 @@ fn first_client<B: IrBackend, const N: usize>(
 }
 
 /// [`record`] for an IR struct that lists its own operands and outputs ([`OpIr`]): `ir` takes
-/// the operand IRs by value, to move them into the struct.
-fn record_ir<B: IrBackend, L: OpIr>(
+/// the operand IRs by value, to move them into the struct. The outputs come back as `O` (an
+/// array when the caller knows how many there are).
+fn record_ir<B: IrBackend, L: OpIr, A: Arity, O: Gather<Tensor<B>>>(
     client: &FusionClient<BackendRuntime<B>>,
     name: &'static str,
-    operands: impl IntoIterator<Item = Tensor<B>>,
-    ir: impl FnOnce(SmallVec<[TensorIr; 2]>, &mut dyn FnMut() -> TensorId) -> L,
+    operands: A::List<Operand<'static, BackendRuntime<B>>>,
+    ir: impl FnOnce(A::List<TensorIr>, &mut dyn FnMut() -> TensorId) -> L,
     repr: fn(&L::Ir) -> OperationIr,
     run: fn(&L::Ir, &mut Handles<B>),
-) -> SmallVec<[Tensor<B>; 1]> {
-    let operands = crate::small::collect(operands.into_iter().map(Operand::Consume));
-    let build = |inputs: SmallVec<[TensorIr; 2]>| {
+) -> O {
+    let build = |inputs| {
         // The operands' IRs are the operation's inputs, in order.
         let ir = ir(inputs, &mut crate::id::fresh_tensor_id);
-        Ok(Box::new(BackendOp::<B, L> {
+        Ok(crate::operation::pool::boxed(BackendOp::<B, L> {
             name,
             ir,
             run,
             repr,
         }))
     };
-    match client.register(operands, build) {
+    match client.register::<A, _, O>(operands, build) {
         Ok(outputs) => outputs,
         Err(rejected) => panic!("{name}: {}", rejected.error),
     }
 }
 
-/// [`record_ir`] for an operation with one output.
+/// [`record_ir`] for an operation of `N` operands and one output.
 fn record_out<B: IrBackend, L: OpIr, const N: usize>(
     name: &'static str,
     operands: [Tensor<B>; N],
-    ir: impl FnOnce(SmallVec<[TensorIr; 2]>, &mut dyn FnMut() -> TensorId) -> L,
+    ir: impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> L,
     repr: fn(&L::Ir) -> OperationIr,
     run: fn(&L::Ir, &mut Handles<B>),
 ) -> Tensor<B> {
     let client = first_client(&operands);
-    let mut outputs = record_ir(&client, name, operands, ir, repr, run);
-    outputs.swap_remove(0)
+    let [out] = record_ir::<B, L, Fixed<N>, _>(
+        &client,
+        name,
+        operands.map(Operand::Consume),
+        ir,
+        repr,
+        run,
+    );
+    out
 }
 
 /// An operation without operands (a creation op) with one output, on the current stream of
@@ -252,15 +287,9 @@ pub(crate) fn create<B: IrBackend, I: Send + Sync + 'static>(
     repr: fn(&I) -> OperationIr,
     run: fn(&I, &mut Handles<B>),
 ) -> Tensor<B> {
-    let mut outputs = record_on(client, name, [], |_, id| ir(id), repr, run);
-    debug_assert_eq!(outputs.len(), 1, "{name} has one output");
-    outputs.swap_remove(0)
-}
-
-/// The one operand of a unary or scalar operation, moved out of its list.
-fn only(mut inputs: SmallVec<[TensorIr; 2]>) -> TensorIr {
-    debug_assert_eq!(inputs.len(), 1);
-    inputs.pop().expect("one operand")
+    let ir = listed(move |[], id| ir(id), repr);
+    let [out] = record_ir::<B, _, Fixed<0>, _>(client, name, [], ir, repr, run);
+    out
 }
 
 /// An output of `input`'s shape (burn's unary and scalar builders clone it the slow way).
@@ -282,8 +311,7 @@ fn same_shape_op<B: IrBackend, L: OpIr>(
     repr: fn(&L::Ir) -> OperationIr,
     run: fn(&L::Ir, &mut Handles<B>),
 ) -> Tensor<B> {
-    let ir = |inputs: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
-        let input = only(inputs);
+    let ir = |[input]: [TensorIr; 1], id: &mut dyn FnMut() -> TensorId| {
         let out = same_shape(&input, out_dtype, id());
         build(input, out)
     };
@@ -312,16 +340,9 @@ pub(crate) fn binary<B: IrBackend>(
     repr: fn(&BinaryOpIr) -> OperationIr,
     run: fn(&BinaryOpIr, &mut Handles<B>),
 ) -> Tensor<B> {
-    let ir = |mut i: SmallVec<[TensorIr; 2]>, id: &mut dyn FnMut() -> TensorId| {
-        debug_assert_eq!(i.len(), 2);
-        let (rhs, lhs) = (
-            i.pop().expect("two operands"),
-            i.pop().expect("two operands"),
-        );
-        match out_dtype {
-            Some(dtype) => BinaryOpIr::create_comparison(lhs, rhs, dtype, id),
-            None => BinaryOpIr::create(lhs, rhs, id),
-        }
+    let ir = |[lhs, rhs]: [TensorIr; 2], id: &mut dyn FnMut() -> TensorId| match out_dtype {
+        Some(dtype) => BinaryOpIr::create_comparison(lhs, rhs, dtype, id),
+        None => BinaryOpIr::create(lhs, rhs, id),
     };
     record_out(name, [lhs, rhs], ir, repr, run)
 }
@@ -371,9 +392,24 @@ impl<H: Clone> Take<H> for HandleContainer<H> {
     }
 }
 
+/// `ir`'s handle, taken for an operation: moved out when the operation consumes it
+/// (`ReadWrite`), cloned in place when it reads it. burn's `get_handle` does the same with a
+/// removal and a reinsertion of the read ones, and moves each handle three times (a backend
+/// handle is ~100 bytes; callgrind counted ~100 instructions per operand).
 fn tensor_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> TensorHandle<H> {
+    let handle = match ir.status {
+        TensorStatus::ReadOnly => handles.get_handle_ref(&ir.id).cloned(),
+        TensorStatus::ReadWrite => match handles.remove_handle(ir.id) {
+            Some(Handle::Existing(handle)) => Some(handle),
+            _ => None,
+        },
+        TensorStatus::NotInit => None,
+    };
+    let Some(handle) = handle else {
+        panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
+    };
     TensorHandle {
-        handle: handles.get_handle(&ir.id, &ir.status),
+        handle,
         shape: crate::small::copy_shape(&ir.shape),
     }
 }

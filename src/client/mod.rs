@@ -18,6 +18,7 @@ use crate::operation::{
     BurnOperation, CustomExecutor, CustomOperation, FallibleOperation, IntoQueued, WithRepr,
 };
 use crate::runtime::StreamRuntime;
+use crate::small::{Arity, Gather, Listed};
 use crate::stream::{EngineConfig, EngineStats, Entry, MultiStream, in_engine};
 use crate::{Error, Result};
 
@@ -161,16 +162,23 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
         }
     }
 
-    fn is_foreign(&self) -> bool {
-        matches!(self, Local::Foreign { .. })
+    /// The home of a local operand: the current stream.
+    fn home(&self) -> Option<&Arc<crate::stream::StreamCell<R>>> {
+        match self {
+            Local::Borrowed(tensor) => Some(&tensor.inner.home),
+            Local::Owned(tensor) => Some(&tensor.inner.home),
+            Local::Foreign { .. } => None,
+        }
     }
 
-    /// Mint a foreign operand's view (materialising its source) and let go of a handed-over
-    /// source; local operands pass through.
-    fn into_local(self) -> Self {
+    /// The tensor the operation takes from the caller, if any: a local one handed over, or a
+    /// foreign operand's view, minted here (materialising its source; a handed-over source is
+    /// let go of).
+    fn into_owned(self) -> Option<FusionTensor<R>> {
         match self {
-            Local::Foreign { source, view } => Local::Owned(source.tensor().share_as(view)),
-            local => local,
+            Local::Owned(tensor) => Some(tensor),
+            Local::Borrowed(_) => None,
+            Local::Foreign { source, view } => Some(source.tensor().share_as(view)),
         }
     }
 }
@@ -179,8 +187,8 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
 pub(crate) type Operands<'a, R> = SmallVec<[Operand<'a, R>; 2]>;
 
 /// Hand back the tensors a rejected call took by value.
-pub(crate) fn hand_back<R: StreamRuntime>(
-    operands: Operands<'_, R>,
+pub(crate) fn hand_back<'a, R: StreamRuntime + 'a>(
+    operands: impl IntoIterator<Item = Operand<'a, R>>,
     error: Error,
 ) -> Rejected<FusionTensor<R>> {
     let returned = operands
@@ -373,14 +381,15 @@ impl<R: StreamRuntime> FusionClient<R> {
     ///    operation that reads them) and hand out the outputs. An output reuses the allocation of a
     ///    `ReadWrite` operand when there is one: a chain of consuming operations allocates no
     ///    tensor structs and touches no shared reference count.
-    pub(crate) fn register<B: IntoQueued<R>>(
+    pub(crate) fn register<'a, A: Arity, B: IntoQueued<R>, O: Gather<FusionTensor<R>>>(
         &self,
-        operands: Operands<'_, R>,
-        build: impl FnOnce(SmallVec<[TensorIr; 2]>) -> Result<B>,
-    ) -> Result<SmallVec<[FusionTensor<R>; 1]>, Rejected<FusionTensor<R>>> {
+        operands: A::List<Operand<'a, R>>,
+        build: impl FnOnce(A::List<TensorIr>) -> Result<B>,
+    ) -> Result<O, Rejected<FusionTensor<R>>> {
         // 1.
         let refused = Self::refuse_reentry("FusionClient::register").and_then(|()| {
             operands
+                .as_ref()
                 .iter()
                 .try_for_each(|o| self.check_owner(o.tensor()))
         });
@@ -390,11 +399,19 @@ impl<R: StreamRuntime> FusionClient<R> {
 
         // 2. The IRs move into the operation's body; the engine reads them there.
         let current = StreamId::current();
-        let mut locals: SmallVec<[Local<'_, R>; 2]> =
-            crate::small::collect(operands.into_iter().map(|o| Local::new(o, current)));
-        let input_irs = crate::small::collect(locals.iter().map(Local::ir));
-        let built = build(input_irs).and_then(|body| {
-            body.outputs()
+        let locals = A::map(operands, |o| Local::new(o, current));
+        let built = build(A::map_ref(&locals, Local::ir)).and_then(|body| {
+            let outputs = body.outputs();
+            if !O::fits(outputs.len()) {
+                return Err(Error::InvalidOperation {
+                    op: body.name().into(),
+                    detail: format!(
+                        "{} outputs, where its caller takes another number",
+                        outputs.len()
+                    ),
+                });
+            }
+            outputs
                 .iter()
                 .try_for_each(|out| {
                     self.check_size("an operation output", &out.shape, out.dtype)
@@ -414,38 +431,38 @@ impl<R: StreamRuntime> FusionClient<R> {
         };
 
         // 3. (Most operations have local operands only: nothing to mint.)
-        if locals.iter().any(Local::is_foreign) {
-            locals = crate::small::collect(locals.drain(..).map(Local::into_local));
-        }
+        let home = locals.as_ref().iter().find_map(Local::home).cloned();
+        let mut owned = A::map(locals, Local::into_owned);
 
         // 4.
-        let mut consumed: SmallVec<[FusionTensor<R>; 1]> = SmallVec::new();
-        let mut read_only_owned: SmallVec<[FusionTensor<R>; 2]> = SmallVec::new();
-        let outputs = self.inner.streams.register(body, |cell, state, body| {
-            for (local, ir) in locals.into_iter().zip(body.inputs()) {
-                let Local::Owned(mut tensor) = local else {
-                    continue;
-                };
-                match tensor.inner.get_mut() {
-                    Some(owned) if ir.status == TensorStatus::ReadWrite => {
-                        // The operation owns the id now: this struct must not free it.
-                        owned.armed = false;
-                        state.forget_shared_source(owned.value.id);
-                        consumed.push(tensor);
+        let home = home.as_ref().map(|cell| (cell, current));
+        let outputs = self
+            .inner
+            .streams
+            .register(home, body, |cell, state, body| {
+                for (slot, ir) in owned.as_mut().iter_mut().zip(body.inputs()) {
+                    if ir.status != TensorStatus::ReadWrite {
+                        continue;
                     }
-                    _ => read_only_owned.push(tensor),
+                    if let Some(handed) = slot.as_mut().and_then(|t| t.inner.get_mut()) {
+                        // The operation owns the id now: this struct must not free it.
+                        handed.armed = false;
+                        state.forget_shared_source(handed.value.id);
+                    }
                 }
-            }
-            let outputs: SmallVec<[FusionTensor<R>; 1]> = crate::small::collect(
-                body.outputs()
-                    .iter()
-                    .map(|out| self.output_tensor(out, cell, consumed.pop())),
-            );
-            outputs
-        });
+                // The last consumed operand's allocation goes to the first output, and so on.
+                let mut consumed = owned.as_mut().iter_mut().rev().filter_map(|slot| {
+                    slot.take_if(|t| t.inner.get_mut().is_some_and(|handed| !handed.armed))
+                });
+                O::gather(
+                    body.outputs()
+                        .iter()
+                        .map(|out| self.output_tensor(out, cell, consumed.next())),
+                )
+            });
 
-        // 5.
-        drop(read_only_owned);
+        // 5. The read-only owned operands (and consumed ones no output reused) go now.
+        drop(owned);
         Ok(outputs)
     }
 
@@ -610,7 +627,7 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
         let (name, outputs) = (self.name, self.outputs);
         let build = move |inputs| build(name, inputs, fresh_outputs(outputs));
         self.client
-            .register(self.operands, build)
+            .register::<Listed, _, SmallVec<_>>(self.operands, build)
             .map(SmallVec::into_vec)
     }
 }

@@ -124,7 +124,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
         // Boxed here, outside the stream's lock (see `QueuedOp`).
         let build = |inputs| {
-            Ok(Box::new(Builtin {
+            Ok(crate::operation::pool::boxed(Builtin {
                 kernel,
                 inputs,
                 out: [TensorIr {
@@ -135,8 +135,8 @@ impl<R: StreamRuntime> FusionClient<R> {
                 }],
             }))
         };
-        let mut outputs = self.register(operands, build)?;
-        Ok(outputs.pop().expect("one output"))
+        let [out] = self.register::<crate::small::Listed, _, _>(operands, build)?;
+        Ok(out)
     }
 
     fn launch_ref(&self, kernel: Kernel, operands: &[&FusionTensor<R>]) -> Result<FusionTensor<R>> {

@@ -22,7 +22,7 @@ pub(crate) enum QueuedOp<R: StreamRuntime> {
 /// How an operation body becomes a queue entry.
 pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
     fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Op(Box::new(self))
+        QueuedOp::Op(super::pool::boxed(self))
     }
 }
 
@@ -62,5 +62,9 @@ impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
 
     fn drop_runs_user_code(&self) -> bool {
         (**self).drop_runs_user_code()
+    }
+
+    fn may_skip_outputs(&self) -> bool {
+        (**self).may_skip_outputs()
     }
 }

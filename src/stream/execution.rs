@@ -366,6 +366,7 @@ impl<R: StreamRuntime> StreamState<R> {
         };
 
         match failure {
+            None if !op.may_skip_outputs() && !cfg!(debug_assertions) => {}
             None => {
                 for out in op.outputs() {
                     if !self.handles.has_handle(&out.id) {
@@ -392,7 +393,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// panic is recorded on the operation's outputs.
     fn dispose(&mut self, op: crate::operation::PendingOp<R>) {
         if !op.drop_runs_user_code() {
-            return;
+            return crate::operation::pool::recycle(op);
         }
         let name: Box<str> = op.name().into();
         let outputs: smallvec::SmallVec<[TensorIr; 1]> = op.outputs().iter().cloned().collect();

@@ -389,22 +389,37 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 
     /// Run `f` with the current stream locked. Retries with a fresh state if the cached one was
-    /// retired in the meantime.
+    /// retired in the meantime. `home` is a stream the caller holds, tried first when it is the
+    /// current one (an operand's home): that saves the thread-local lookup of the current stream.
     ///
     /// On a thread that is exiting (a thread-local destructor running after the engine's exit
     /// hook), whatever `f` did is handed to the service thread right after, exactly as the exit
     /// hook hands the thread's streams over: queued work runs, and the stream is retired or
     /// orphaned, so nothing is stranded on a stream whose thread is gone.
-    fn with_current<T>(&self, f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T) -> T {
+    fn with_current<T>(
+        &self,
+        home: Option<(&Arc<StreamCell<R>>, StreamId)>,
+        f: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>) -> T,
+    ) -> T {
+        // Every cell of this thread's stream was made by `current`, which also arranged its
+        // exit drain; a cell whose state was retired is passed over like a stale cache entry.
+        let mut home = home.and_then(|(cell, current)| (cell.id == current).then_some(cell));
         loop {
-            let cell = self.current();
+            let found;
+            let cell = match home.take() {
+                Some(cell) => cell,
+                None => {
+                    found = self.current();
+                    &found
+                }
+            };
             let mut state = cell.lock();
             if state.retired {
                 drop(state);
                 local::evict(self.key);
                 continue;
             }
-            let out = f(&cell, &mut state);
+            let out = f(cell, &mut state);
             drop(state);
             if local::exiting() && !in_engine() {
                 service::exit_drain(self.hook(), cell.id);
@@ -444,12 +459,15 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// it has (but for a trailing run its fuser still extends: [`EngineConfig::max_fused_len`]).
     /// Deciding operand statuses and enqueueing under one lock is what keeps a concurrent
     /// last drop on another thread from freeing an operand first.
+    ///
+    /// `home` is an operand's home stream, with the current stream's id (see `with_current`).
     pub(crate) fn register<B: IntoQueued<R>, T>(
         &self,
+        home: Option<(&Arc<StreamCell<R>>, StreamId)>,
         body: B,
         commit: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>, &B) -> T,
     ) -> T {
-        self.with_current(|cell, state| {
+        self.with_current(home, |cell, state| {
             let settled = commit(cell, state, &body);
             state.counters.ops_registered += 1;
             state.enqueue(body.into_queued());
@@ -464,7 +482,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         id: TensorId,
         entry: Entry<R::FusionHandle>,
     ) -> Arc<StreamCell<R>> {
-        self.with_current(|cell, state| {
+        self.with_current(None, |cell, state| {
             state.register_entry(id, entry);
             cell.clone()
         })

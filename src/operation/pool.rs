@@ -1,0 +1,189 @@
+//! Recycled allocations for queued operation bodies.
+//!
+//! Every recorded operation is boxed ([`super::PendingOp`]) and freed once it has run. A stream
+//! queues up to `max_queue_len` operations and then runs them in one go, so a thread allocates a
+//! batch of bodies and frees a batch: more than the allocator's per-thread cache holds (glibc's
+//! tcache keeps seven blocks of a size), and each allocation and free beyond it takes the slow
+//! path. callgrind put the box's allocation and free at ~280 instructions per recorded operation,
+//! a tenth of the engine's whole cost (`scripts/per-op-cost.sh`, 2026-12-03).
+//!
+//! This module keeps freed bodies' blocks on the thread that ran them, up to [`CAPACITY`] blocks
+//! of at most [`MAX_BLOCK`] bytes, and the next body of the same layout boxed on that thread
+//! reuses one. A block is only ever handed to a `Box` of exactly the layout it was allocated
+//! with, by the global allocator, so every `Box` here is one the global allocator could have
+//! made. Blocks left when the thread exits are freed with it.
+
+use std::alloc::{Layout, dealloc};
+use std::cell::RefCell;
+use std::ptr::NonNull;
+
+/// Blocks kept per thread: the default queue bound's worth of operations.
+const CAPACITY: usize = 32;
+/// The largest block kept, in bytes (a backend operation's body is a few hundred).
+const MAX_BLOCK: usize = 1024;
+
+/// An allocation of the global allocator, of `layout`, holding no value. Frees itself on drop.
+struct Block {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated by the global allocator with `layout` (it came from a
+        // `Box` of that layout, see `recycle`) and nothing else owns it.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+std::thread_local! {
+    static FREE: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
+}
+
+fn keeps(layout: Layout) -> bool {
+    layout.size() != 0 && layout.size() <= MAX_BLOCK
+}
+
+/// `value` in a box, in a recycled block when this thread has one of its layout.
+pub(crate) fn boxed<T>(value: T) -> Box<T> {
+    let Some(block) = take(Layout::new::<T>()) else {
+        return Box::new(value);
+    };
+    let ptr = block.ptr.cast::<T>().as_ptr();
+    std::mem::forget(block);
+    // SAFETY: `ptr` is an allocation of the global allocator with `Layout::new::<T>()` (`take`
+    // compared the layouts), owned by nobody else and holding no value: writing `value` there
+    // makes it exactly what `Box::new` would have returned.
+    unsafe {
+        ptr.write(value);
+        Box::from_raw(ptr)
+    }
+}
+
+/// A block of `layout` this thread keeps, if any.
+#[inline]
+fn take(layout: Layout) -> Option<Block> {
+    if !keeps(layout) {
+        return None;
+    }
+    FREE.try_with(|free| {
+        let mut free = free.try_borrow_mut().ok()?;
+        let at = free.iter().rposition(|block| block.layout == layout)?;
+        Some(free.swap_remove(at))
+    })
+    .ok()
+    .flatten()
+}
+
+/// Drop `boxed`'s value and keep its allocation for [`boxed`] on this thread (or free it, when
+/// the thread keeps enough or the block is too large to keep).
+pub(crate) fn recycle<T: ?Sized>(boxed: Box<T>) {
+    let layout = Layout::for_value(&*boxed);
+    if !keeps(layout) {
+        return drop(boxed);
+    }
+    let raw = Box::into_raw(boxed);
+    // Owns the allocation from here on, so it is freed even if the value's destructor panics.
+    let block = Block {
+        // SAFETY: `Box::into_raw` never returns null.
+        ptr: unsafe { NonNull::new_unchecked(raw.cast::<u8>()) },
+        layout,
+    };
+    // SAFETY: `raw` came from a `Box` and holds a live value, dropped once here; its allocation
+    // is `block`'s, which never reads it.
+    unsafe { std::ptr::drop_in_place(raw) };
+    let _ = FREE.try_with(|free| {
+        if let Ok(mut free) = free.try_borrow_mut()
+            && free.len() < CAPACITY
+        {
+            free.push(block);
+        }
+        // Otherwise `block` drops here and frees the allocation.
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts its drops.
+    struct Tracked(Arc<AtomicUsize>, [u64; 8]);
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    trait Body {
+        fn sum(&self) -> u64;
+    }
+
+    impl Body for Tracked {
+        fn sum(&self) -> u64 {
+            self.1.iter().sum()
+        }
+    }
+
+    impl Body for [u8; 3] {
+        fn sum(&self) -> u64 {
+            self.iter().map(|&b| u64::from(b)).sum()
+        }
+    }
+
+    #[test]
+    fn a_recycled_block_is_reused_for_the_same_layout_only() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let first: Box<dyn Body> = boxed(Tracked(drops.clone(), [1; 8]));
+        let first_at = (&*first as *const dyn Body).cast::<u8>();
+        recycle(first);
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the value is dropped once");
+
+        // Another layout does not take the block.
+        let other: Box<dyn Body> = boxed([1u8, 2, 3]);
+        assert_ne!((&*other as *const dyn Body).cast::<u8>(), first_at);
+        assert_eq!(other.sum(), 6);
+
+        // The same layout does, and holds the new value.
+        let second: Box<dyn Body> = boxed(Tracked(drops.clone(), [2; 8]));
+        assert_eq!((&*second as *const dyn Body).cast::<u8>(), first_at);
+        assert_eq!(second.sum(), 16);
+        drop(second);
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        recycle(other);
+    }
+
+    #[test]
+    fn a_thread_keeps_at_most_capacity_blocks_and_frees_them_on_exit() {
+        std::thread::spawn(|| {
+            let drops = Arc::new(AtomicUsize::new(0));
+            let many: Vec<Box<dyn Body>> = (0..CAPACITY + 5)
+                .map(|k| boxed(Tracked(drops.clone(), [k as u64; 8])) as Box<dyn Body>)
+                .collect();
+            many.into_iter().for_each(recycle);
+            assert_eq!(drops.load(Ordering::SeqCst), CAPACITY + 5);
+            assert_eq!(FREE.with(|free| free.borrow().len()), CAPACITY);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_panicking_destructor_still_frees_the_block() {
+        struct Panics;
+        impl Drop for Panics {
+            fn drop(&mut self) {
+                panic!("destructor");
+            }
+        }
+        let before = FREE.with(|free| free.borrow().len());
+        let b = boxed((Panics, [0u64; 4]));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| recycle(b)));
+        assert!(result.is_err());
+        // Not kept: the unwinding freed it (miri without `-Zmiri-ignore-leaks` would report it
+        // otherwise).
+        assert_eq!(FREE.with(|free| free.borrow().len()), before);
+    }
+}
