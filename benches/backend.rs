@@ -40,6 +40,8 @@
 //! `FUSION_STREAMS_BENCH_ROUNDS=<n>` sets the number of rounds (default 15) and
 //! `FUSION_STREAMS_BENCH_VERBOSE=1` prints every round's two times, not only the medians (to see
 //! whether a slow median is a steady cost or a warm-up that outlasts the untimed round).
+//! `FUSION_STREAMS_BENCH_SOLO=<ours|plain|unfused|burn-fusion>` runs one contender alone (an
+//! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -331,6 +333,26 @@ fn measure(
     run: impl Fn(Contender) -> Duration,
 ) -> Option<Duration> {
     if !selected(&name) {
+        return None;
+    }
+    if let Ok(solo) = std::env::var("FUSION_STREAMS_BENCH_SOLO") {
+        let contender = match solo.as_str() {
+            "ours" => Contender::Ours,
+            _ => match Contender::peers()
+                .into_iter()
+                .find(|(peer, _)| *peer == solo)
+            {
+                Some((_, contender)) => contender,
+                None => panic!("FUSION_STREAMS_BENCH_SOLO={solo}: not `ours` or a peer's name"),
+            },
+        };
+        let mut times: Vec<Duration> = (0..=rounds).map(|_| run(contender)).collect();
+        times.remove(0);
+        times.sort();
+        println!(
+            "{name:<24} {solo} alone {:>9.2?} (median of {rounds})",
+            times[rounds / 2]
+        );
         return None;
     }
     let mut against_plain = None;

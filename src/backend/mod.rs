@@ -69,8 +69,8 @@ use parking_lot::Mutex;
 
 #[cfg(feature = "cuda")]
 pub use cube::{
-    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV, cube_fuser,
-    cube_fuser_with,
+    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV,
+    MIN_ELEMENTWISE_OPS_ENV, cube_fuser, cube_fuser_with,
 };
 pub use fuser_registry::register_fuser;
 pub use publication_routes::{BackendEvent, BackendSource};

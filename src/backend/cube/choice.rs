@@ -49,6 +49,24 @@ pub const FOREIGN_CUT_SIGHTINGS_ENV: &str = "FUSION_STREAMS_CUBE_FOREIGN_CUT_SIG
 /// [`FOREIGN_CUT_SIGHTINGS_ENV`]'s default.
 pub(super) const DEFAULT_FOREIGN_CUT_SIGHTINGS: u32 = 0;
 
+/// The environment variable that sets the fewest operations (drops not counted) a run must have
+/// for the elementwise fuser's kernel to replace it (read when a stream is created). Unset, it
+/// is 3: a run of two elementwise operations executes operation by operation. `2` fuses every
+/// run the engine can (the engine never fuses a single operation). Runs the matmul or reduce
+/// fusers cover are not affected. An unknown value is reported (a `tracing` warning) and the
+/// default is used.
+///
+/// Why: burn-cubecl-fusion's elementwise launch does more host work than two plain launches
+/// save: it binds every input and output and plans vector widths on each call. On the H200 the
+/// two-operation runs of the benchmark's softmax (the subtraction and `exp`) and attention step
+/// (scale and mask, subtraction and `exp`) ran 4–22% slower fused than operation by operation,
+/// at 64 rows as at 512 positions, while runs of three and more (the layer norm, the chains)
+/// win (docs/BENCHMARKS.md, "Two-operation runs").
+pub const MIN_ELEMENTWISE_OPS_ENV: &str = "FUSION_STREAMS_CUBE_MIN_ELEMENTWISE_OPS";
+
+/// [`MIN_ELEMENTWISE_OPS_ENV`]'s default.
+pub(super) const DEFAULT_MIN_ELEMENTWISE_OPS: u32 = 3;
+
 /// The number of sightings environment variable `name` asks for, `default` when unset.
 pub(super) fn sightings_from_env(name: &str, default: u32) -> u32 {
     match std::env::var(name) {

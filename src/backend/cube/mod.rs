@@ -45,6 +45,12 @@
 //! distinct run, and another thread's cut point depends on its timing: fusing every cut run
 //! compiled a kernel for nearly every result a consumer thread took from a producer.
 //!
+//! **Short runs.** The elementwise fuser's kernel replaces a run only from
+//! [`MIN_ELEMENTWISE_OPS_ENV`] operations on (three by default): its launch costs more host work
+//! than two plain launches save, so a run of two runs operation by operation. Runs the matmul
+//! and reduce fusers cover fuse from two operations, as before (a matmul's epilogue saves a pass
+//! over its output).
+//!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. The engine's CUDA rule
 //! adds that a buffer is written in place only on the stream that allocated it (see
@@ -92,8 +98,8 @@ use crate::{Error, Result};
 
 use choice::*;
 pub use choice::{
-    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV, cube_fuser,
-    cube_fuser_with,
+    CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV,
+    MIN_ELEMENTWISE_OPS_ENV, cube_fuser, cube_fuser_with,
 };
 use kernel::*;
 use planner::*;

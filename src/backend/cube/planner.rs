@@ -72,6 +72,8 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     pub(super) cut_sightings: u32,
     /// [`FOREIGN_CUT_SIGHTINGS_ENV`], read when the stream was created.
     pub(super) foreign_cut_sightings: u32,
+    /// [`MIN_ELEMENTWISE_OPS_ENV`], read when the stream was created.
+    pub(super) min_elementwise_ops: u32,
 }
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
@@ -97,6 +99,10 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             foreign_cut_sightings: sightings_from_env(
                 FOREIGN_CUT_SIGHTINGS_ENV,
                 DEFAULT_FOREIGN_CUT_SIGHTINGS,
+            ),
+            min_elementwise_ops: sightings_from_env(
+                MIN_ELEMENTWISE_OPS_ENV,
+                DEFAULT_MIN_ELEMENTWISE_OPS,
             ),
         }
     }
@@ -163,17 +169,27 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     }
 
     /// The run's kernel: the longest accepted prefix some fuser can build a kernel for, and
-    /// the first such fuser in [`FuserKind`] order.
+    /// the first such fuser in [`FuserKind`] order; none when that is an elementwise kernel over
+    /// fewer operations than [`MIN_ELEMENTWISE_OPS_ENV`] asks for.
     pub(super) fn chosen(&self) -> Option<(usize, FuserKind)> {
         let depth = self
             .path
             .iter()
             .rposition(|node| self.runs[*node].ready != 0)?;
         let ready = self.runs[self.path[depth]].ready;
-        FuserKind::ALL
+        let kind = FuserKind::ALL
             .into_iter()
-            .find(|kind| ready & kind.bit() != 0)
-            .map(|kind| (depth, kind))
+            .find(|kind| ready & kind.bit() != 0)?;
+        if kind == FuserKind::Elementwise {
+            let ops = self.offered_relative[..depth]
+                .iter()
+                .filter(|op| !matches!(op, OperationIr::Drop(_)))
+                .count();
+            if ops < self.min_elementwise_ops as usize {
+                return None;
+            }
+        }
+        Some((depth, kind))
     }
 
     /// Offer `op` (relative) to every fuser that took the whole prefix of `depth` operations

@@ -192,16 +192,45 @@ fn the_longest_prefix_a_fuser_can_finish_wins() {
 
     // Without the reduction, the reduce fuser is never ready: the elementwise one runs.
     reset(&mut fuser);
-    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
-    assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
+    let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4)];
+    assert_eq!(offer_all(&mut fuser, &program), 3);
+    assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
 }
 
 #[test]
 fn a_tie_goes_to_the_first_fuser_in_order() {
     let both = Stand::new(elementwise, elementwise);
     let mut fuser = fuser([Some(both.clone()), None, Some(both), None]);
-    assert_eq!(offer_all(&mut fuser, &[add(0, 1, 2), add(2, 1, 3)]), 2);
-    assert_eq!(fuser.chosen(), Some((2, FuserKind::Elementwise)));
+    let program = [add(0, 1, 2), add(2, 1, 3), add(3, 1, 4)];
+    assert_eq!(offer_all(&mut fuser, &program), 3);
+    assert_eq!(fuser.chosen(), Some((3, FuserKind::Elementwise)));
+}
+
+/// An elementwise run of two operations runs unfused by default, drops in it not counted; a
+/// third operation, or a threshold of two, fuses it. Another fuser's run of two still fuses.
+#[test]
+fn an_elementwise_run_of_two_operations_runs_unfused_by_default() {
+    let elementwise_only = || [Some(Stand::new(elementwise, elementwise)), None, None, None];
+    let mut fuser = fuser(elementwise_only());
+    assert_eq!(fuser.min_elementwise_ops, DEFAULT_MIN_ELEMENTWISE_OPS);
+    let dropped = OperationIr::Drop(tensor(1, [4, 8], TensorStatus::ReadWrite));
+    let program = [add(0, 1, 2), dropped, add(2, 5, 3), add(3, 5, 4)];
+    assert_eq!(offer_all(&mut fuser, &program[..3]), 3);
+    assert_eq!(fuser.chosen(), None, "two operations and a drop");
+    assert_eq!(covered(&fuser), 0);
+    reset(&mut fuser);
+    assert_eq!(offer_all(&mut fuser, &program), 4);
+    assert_eq!(fuser.chosen(), Some((4, FuserKind::Elementwise)));
+
+    let mut two = self::fuser(elementwise_only());
+    two.min_elementwise_ops = 2;
+    assert_eq!(offer_all(&mut two, &program[..3]), 3);
+    assert_eq!(two.chosen(), Some((3, FuserKind::Elementwise)));
+
+    // The reduce stand-in is ready once it holds a reduction: a two-operation reduce run.
+    let mut reduce = self::fuser(elementwise_and_reduce());
+    assert_eq!(offer_all(&mut reduce, &[add(0, 1, 2), sum(2, 3)]), 2);
+    assert_eq!(reduce.chosen(), Some((2, FuserKind::Reduce)));
 }
 
 #[test]
