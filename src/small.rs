@@ -28,7 +28,7 @@ pub(crate) fn copy_shape(shape: &burn_backend::Shape) -> burn_backend::Shape {
 
 /// How many operands an operation has, as a type: its per-operand lists (the operands, their
 /// IRs, the tensors on their way in) are arrays when the count is known where the operation is
-/// recorded ([`Fixed`]: burn's operations), `SmallVec`s otherwise ([`Listed`]: builders, optional
+/// recorded ([`Fixed`]: burn's operations), `SmallVec`s otherwise ([`Many`]: builders, optional
 /// operands). The array path moves no list header, checks no spill and drops nothing inline;
 /// callgrind counted the four `SmallVec`s of a unary operation's registration at ~300
 /// instructions, an eighth of the engine's cost per operation (`scripts/per-op-cost.sh`).
@@ -59,9 +59,9 @@ impl<const N: usize> Arity for Fixed<N> {
 }
 
 /// Any number of operands, most often one or two: `SmallVec`s.
-pub(crate) struct Listed;
+pub(crate) struct Many;
 
-impl Arity for Listed {
+impl Arity for Many {
     type List<T> = SmallVec<[T; 2]>;
 
     #[inline]

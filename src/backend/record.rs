@@ -16,7 +16,7 @@ use smallvec::SmallVec;
 use super::IrBackend;
 use super::runtime::BackendRuntime;
 use crate::operation::{Irs, OpBody};
-use crate::small::{Arity, Fixed, Gather, Listed as Many};
+use crate::small::{Arity, Fixed, Gather, Many};
 use crate::{FusionClient, FusionTensor, Operand, Result};
 
 /// A tensor of the stream-fusion backend over `B`.

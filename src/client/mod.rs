@@ -18,7 +18,7 @@ use crate::operation::{
     BurnOperation, CustomExecutor, CustomOperation, FallibleOperation, IntoQueued, WithRepr,
 };
 use crate::runtime::StreamRuntime;
-use crate::small::{Arity, Gather, Listed};
+use crate::small::{Arity, Gather, Many};
 use crate::stream::{EngineConfig, EngineStats, Entry, MultiStream, in_engine};
 use crate::{Error, Result};
 
@@ -627,7 +627,7 @@ impl<'a, R: StreamRuntime> OpBuilder<'a, R> {
         let (name, outputs) = (self.name, self.outputs);
         let build = move |inputs| build(name, inputs, fresh_outputs(outputs));
         self.client
-            .register::<Listed, _, SmallVec<_>>(self.operands, build)
+            .register::<Many, _, SmallVec<_>>(self.operands, build)
             .map(SmallVec::into_vec)
     }
 }

@@ -135,7 +135,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                 }],
             }))
         };
-        let [out] = self.register::<crate::small::Listed, _, _>(operands, build)?;
+        let [out] = self.register::<crate::small::Many, _, _>(operands, build)?;
         Ok(out)
     }
 

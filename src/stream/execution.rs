@@ -392,12 +392,15 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
     /// panic is recorded on the operation's outputs.
     fn dispose(&mut self, op: crate::operation::PendingOp<R>) {
+        // Dropped through the pool either way: its block is kept for the next body, and freed
+        // if the destructor panics.
         if !op.drop_runs_user_code() {
             return crate::operation::pool::recycle(op);
         }
         let name: Box<str> = op.name().into();
         let outputs: smallvec::SmallVec<[TensorIr; 1]> = op.outputs().iter().cloned().collect();
-        if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(op))) {
+        let drop_op = move || crate::operation::pool::recycle(op);
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(drop_op)) {
             let error = match Error::from_panic(&name, payload) {
                 Error::OperationPanicked { op, message } => Error::OperationPanicked {
                     op,
