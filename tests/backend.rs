@@ -857,10 +857,138 @@ mod cuda_reduce_fusion {
         one_kernel_close_to_plain("reduce run", 5, reduce_run, reduce_run);
     }
 
+    /// `2x` is read again after the row maximum, so the kernel's first block writes it: one
+    /// kernel because `x` is contiguous (the engine's `first_block` rule).
     #[test]
     #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
     fn a_softmax_is_one_broadcasted_reduce_kernel() {
         one_kernel_close_to_plain("softmax", 6, softmax_run, softmax_run);
+    }
+
+    /// How many panics the process has raised since the first call, on any thread (cubecl's
+    /// device thread, where autotune runs a kernel's candidates, included). Each still prints.
+    fn panics_so_far() -> usize {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNT: AtomicUsize = AtomicUsize::new(0);
+        static HOOK: std::sync::Once = std::sync::Once::new();
+        HOOK.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                COUNT.fetch_add(1, Ordering::SeqCst);
+                previous(info);
+            }));
+        });
+        COUNT.load(Ordering::SeqCst)
+    }
+
+    /// burn's `quantize::should_quantize_symmetric_per_block_int8_transposed_32x64`: a
+    /// transposed tensor quantized per block of 32 (its per-block minimum and maximum are two
+    /// reductions over a reshaped transposed view kept for the quantization), dequantized and
+    /// transposed back.
+    fn quantized_transposed<B: Backend>(device: &B::Device) -> TensorData {
+        use burn_tensor::quantization::{QTensorPrimitive, QuantLevel, QuantValue};
+        let scheme =
+            <burn_backend::tensor::QuantizedTensor<Wide> as QTensorPrimitive>::default_scheme()
+                .with_value(QuantValue::Q8S)
+                .with_level(QuantLevel::block([32]));
+        let x = Tensor::<B, 1, Int>::arange(0..2048, device)
+            .float()
+            .div_scalar(2048.0)
+            .reshape([32, 64]);
+        x.transpose()
+            .quantize_dynamic(&scheme)
+            .dequantize()
+            .transpose()
+            .into_data()
+    }
+
+    /// A transposed view kept past the run, its exponential kept too, and the exponential's
+    /// row sums: the smallest run whose reduce kernel writes from its first block with the
+    /// reference at output position 1 and one input.
+    fn kept_view_then_sum<B: Backend>(device: &B::Device) -> Vec<TensorData> {
+        let x = input::<B>(device);
+        let view = x.clone().swap_dims(0, 1);
+        let exp = view.clone().exp();
+        let sums = exp.clone().sum_dim(1);
+        vec![
+            sums.into_data(),
+            exp.into_data(),
+            view.into_data(),
+            x.into_data(),
+        ]
+    }
+
+    /// A softmax of a scaled transposed tensor whose transposition ran first: the run's first
+    /// operand is not contiguous, so the reduce fusers must not take the scaling with it.
+    fn softmax_of_transposed<B: Backend>(device: &B::Device) -> Vec<TensorData> {
+        let view = input::<B>(device).swap_dims(0, 1);
+        let view = view.clone() + 0.0;
+        let view = view.swap_dims(0, 1);
+        B::sync(device).unwrap();
+        vec![softmax_run(view)]
+    }
+
+    /// The per-block quantization of a transposed tensor, with every fuser on: as right as on
+    /// plain `Wide`, and not one panic (before the `first_block` rule, two reduce
+    /// autotune candidates panicked in `GlobalArgsLaunch::resolve_arg` on a cold cache). Run it
+    /// in a directory of its own so that cubecl's autotune cache starts cold.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn a_quantized_transposed_tensor_runs_with_every_fuser_and_no_panic() {
+        let before = panics_so_far();
+        let device = Default::default();
+        all_fusers();
+        let ours = quantized_transposed::<WideOurs>(&device);
+        let mut kept = kept_view_then_sum::<WideOurs>(&device);
+        // Twice: the read cuts the run, which is fused from its second cut on.
+        softmax_of_transposed::<WideOurs>(&device);
+        let stats = all_fusers().stats();
+        kept.extend(softmax_of_transposed::<WideOurs>(&device));
+        let kernels = all_fusers().stats().fused_kernels - stats.fused_kernels;
+        let panics = panics_so_far() - before;
+        let plain = quantized_transposed::<Wide>(&device);
+        let mut plain_kept = kept_view_then_sum::<Wide>(&device);
+        plain_kept.extend(softmax_of_transposed::<Wide>(&device));
+        println!(
+            "every fuser, quantize of a transposed tensor, a kept view, a softmax of a \
+             transposed tensor ({kernels} fused kernel(s)): {panics} panic(s)"
+        );
+        ours.assert_approx_eq::<f32>(&plain, burn_tensor::Tolerance::absolute(1e-6));
+        assert_eq!(kept.len(), plain_kept.len());
+        for (got, want) in kept.iter().zip(&plain_kept) {
+            let (worst, _) = compare(got, want);
+            assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+        }
+        assert_eq!(panics, 0);
+    }
+
+    /// The same two programs on burn-fusion 0.21's `Fusion<Wide>` (every burn-cubecl-fusion
+    /// fuser on): the evidence that the out-of-bounds lookup is burn-cubecl-fusion's and that
+    /// burn-fusion hands its reduce fusers such runs too. It prints how many panics they raised
+    /// and checks only that the results are right (cubecl's autotune drops a panicking
+    /// candidate). Run it in a directory of its own so that the autotune cache starts cold.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn burn_fusion_on_the_same_programs() {
+        type BurnFusion = burn_fusion::Fusion<Wide>;
+        let device = Default::default();
+        let before = panics_so_far();
+        let theirs = quantized_transposed::<BurnFusion>(&device);
+        let after_quantize = panics_so_far();
+        let kept = kept_view_then_sum::<BurnFusion>(&device);
+        let after_kept = panics_so_far();
+        println!(
+            "burn-fusion: quantize of a transposed tensor {} panic(s), kept view then sum {} \
+             panic(s)",
+            after_quantize - before,
+            after_kept - after_quantize
+        );
+        let plain = quantized_transposed::<Wide>(&device);
+        theirs.assert_approx_eq::<f32>(&plain, burn_tensor::Tolerance::absolute(1e-6));
+        for (got, want) in kept.iter().zip(&kept_view_then_sum::<Wide>(&device)) {
+            let (worst, _) = compare(got, want);
+            assert!(worst <= TOLERANCE, "worst relative difference {worst:e}");
+        }
     }
 
     #[test]

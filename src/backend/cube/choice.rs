@@ -12,9 +12,9 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 /// `elementwise,matmul`. An unknown name is reported (a `tracing` warning) and the default is
 /// used.
 ///
-/// The reduce fusers are opt-in until burn 0.21's backend suite has run in full on the H200 with
-/// them on (see docs/BENCHMARKS.md, "Reduce fusion (opt-in)"); on the benchmark's softmax they gain
-/// nothing measurable yet.
+/// The reduce fusers are opt-in: on the benchmark's softmax and layer norm they do not win
+/// measurably on the H200 (see docs/BENCHMARKS.md, "Reduce fusion (opt-in)"). The runs
+/// burn-cubecl-fusion 0.21 launches them wrongly on are never theirs (`policy::first_block`).
 pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 
 /// The environment variable that sets how many times a run cut by its own thread's drain (a

@@ -51,6 +51,15 @@
 //! and reduce fusers cover fuse from two operations, as before (a matmul's epilogue saves a pass
 //! over its output).
 //!
+//! **Reduce runs launched wrongly upstream.** burn-cubecl-fusion 0.21's reduce launchers look
+//! the first block's reference strides up among the kernel's inputs even when the reference is
+//! one of its outputs, which it is whenever the operations before the reduction write a tensor
+//! (one read again after the reduction, or kept past the run): an out-of-bounds panic in an
+//! autotune candidate, or another input's strides. The reduce fusers are ready only on runs
+//! where that lookup lands on the right strides (`policy::first_block`): the first block
+//! writes nothing, or it writes the run's first tensor and the run's first operand has that
+//! tensor's shape and is contiguous (a scaled softmax of a contiguous input).
+//!
 //! **In place.** burn-cubecl-fusion and burn-cubecl write a `ReadWrite` input in place when its
 //! handle has no other owner (`can_mut`), which already keeps views safe. The engine's CUDA rule
 //! adds that a buffer is written in place only on the stream that allocated it (see

@@ -34,6 +34,9 @@ pub(super) struct Node<R: CubeRuntime> {
     pub(super) ready: Kinds,
     pub(super) next: HashMap<Key, usize>,
     pub(super) optimizations: SmallVec<[(FuserKind, CubeOptimization<R>); 1]>,
+    /// Whether the reduce fusers' readiness holds only for a run whose first operand is
+    /// contiguous ([`FirstBlock::WritesFirstMade`]).
+    pub(super) reduce_needs_contiguous: bool,
 }
 
 impl<R: CubeRuntime> Node<R> {
@@ -43,6 +46,7 @@ impl<R: CubeRuntime> Node<R> {
             ready: 0,
             next: HashMap::new(),
             optimizations: SmallVec::new(),
+            reduce_needs_contiguous: false,
         }
     }
 }
@@ -74,6 +78,9 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     pub(super) foreign_cut_sightings: u32,
     /// [`MIN_ELEMENTWISE_OPS_ENV`], read when the stream was created.
     pub(super) min_elementwise_ops: u32,
+    /// Whether the run's first operand (its first operation's first input) is laid out
+    /// contiguously (see [`FirstBlock::WritesFirstMade`]).
+    pub(super) first_operand_contiguous: bool,
 }
 
 impl<R: CubeRuntime, B> CubeFuser<R, B> {
@@ -104,6 +111,7 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
                 MIN_ELEMENTWISE_OPS_ENV,
                 DEFAULT_MIN_ELEMENTWISE_OPS,
             ),
+            first_operand_contiguous: false,
         }
     }
 
@@ -172,11 +180,16 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     /// the first such fuser in [`FuserKind`] order; none when that is an elementwise kernel over
     /// fewer operations than [`MIN_ELEMENTWISE_OPS_ENV`] asks for.
     pub(super) fn chosen(&self) -> Option<(usize, FuserKind)> {
-        let depth = self
-            .path
-            .iter()
-            .rposition(|node| self.runs[*node].ready != 0)?;
-        let ready = self.runs[self.path[depth]].ready;
+        let ready = |node: usize| {
+            let node = &self.runs[node];
+            if node.reduce_needs_contiguous && !self.first_operand_contiguous {
+                node.ready & !(FuserKind::Reduce.bit() | FuserKind::ReduceBroadcasted.bit())
+            } else {
+                node.ready
+            }
+        };
+        let depth = self.path.iter().rposition(|node| ready(*node) != 0)?;
+        let ready = ready(self.path[depth]);
         let kind = FuserKind::ALL
             .into_iter()
             .find(|kind| ready & kind.bit() != 0)?;
@@ -196,6 +209,8 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     /// ending at node `at`: the node of the longer prefix.
     pub(super) fn decide(&mut self, at: usize, depth: usize, op: &OperationIr) -> Node<R> {
         let mut node = Node::new(0);
+        // Asked at most once per new prefix.
+        let mut first = None;
         for kind in FuserKind::ALL {
             if self.runs[at].alive & kind.bit() == 0 {
                 continue;
@@ -218,7 +233,15 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
                 && match kind {
                     // Ready with one operation (the engine fuses two or more).
                     FuserKind::Elementwise | FuserKind::Matmul => true,
-                    FuserKind::Reduce | FuserKind::ReduceBroadcasted => fuser.properties().ready,
+                    FuserKind::Reduce | FuserKind::ReduceBroadcasted => {
+                        fuser.properties().ready && {
+                            let first = *first.get_or_insert_with(|| {
+                                first_block(self.offered_relative[..depth].iter().chain([op]))
+                            });
+                            node.reduce_needs_contiguous = first == FirstBlock::WritesFirstMade;
+                            first != FirstBlock::Writes
+                        }
+                    }
                 };
             self.working[kind as usize].1 = took.then_some(depth + 1);
             if took {
@@ -244,6 +267,13 @@ where
         let at = *self.path.last().expect("the empty prefix");
         if self.runs[at].alive == 0 || !fusable(op, self.reductions) {
             return false;
+        }
+        if self.offered_relative.is_empty() {
+            self.first_operand_contiguous = op.inputs().next().is_some_and(|operand| {
+                handles
+                    .get_handle_ref(&operand.id)
+                    .is_some_and(|handle| contiguous(&operand.shape, &handle.strides))
+            });
         }
         let op = allocated_here_or_read_only(op, handles);
         // From here on, a refusal takes the operation's conversion back: the context must hold

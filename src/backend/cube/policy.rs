@@ -66,6 +66,121 @@ pub(super) fn one_input_width(prefix: &[OperationIr], op: &OperationIr) -> bool 
     true
 }
 
+/// What the first block of a reduce kernel over a run (its operations before the first
+/// reduction) writes to memory, and so whether burn-cubecl-fusion 0.21 launches the kernel right
+/// (see [`first_block`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FirstBlock {
+    /// Nothing: the launch takes its reference layout from an input. Always right.
+    Reads,
+    /// The run's first operation's output, which has the shape of the first reduction's input,
+    /// as does the first tensor the run reads (that operation's first operand). Right when
+    /// that operand is contiguous, which only the run's handles tell.
+    WritesFirstMade,
+    /// Something else: never launched right.
+    Writes,
+}
+
+/// What the first block of a reduce kernel over `run` writes (see [`FirstBlock`]). The reduce
+/// fusers are never ready on a [`FirstBlock::Writes`] run, and on a
+/// [`FirstBlock::WritesFirstMade`] run only when its first operand is contiguous.
+///
+/// The first block writes a tensor made before the run's first reduction that an operation
+/// after that reduction reads, or that the run neither consumes nor drops (it lives past the
+/// run). burn-cubecl-fusion 0.21's launch plan then takes the first such tensor of the
+/// reduction's input shape as the first block's reference layout, `FuseArg::Output(pos, ..)`
+/// with `pos` its place among the tensors the run makes. Both reduce launchers
+/// (`FusedReduceLaunch::run`, `ReduceBroadcastedLaunch::run`) then look the reference's strides
+/// up with `inputs.strides_ref`, among the kernel's *inputs*, at that position. With fewer
+/// inputs than `pos + 1` the lookup is out of bounds: the panic burn's per-block quantization of
+/// a transposed tensor raised in two reduce autotune candidates ("the len is 1 but the index is
+/// 1": the run makes a transposed view first, a view is never the reference, and the next tensor
+/// it makes is). Otherwise it reads input `pos`'s strides, and the reduction's output is
+/// vectorized along the axis those strides say: right only when that input is laid out as the
+/// reference. The one case this rule can tell is right: the reference is the run's first made
+/// tensor (`pos` 0) and input 0, the first tensor the run reads, has its shape and is
+/// contiguous. `softmax(2x)` of a contiguous `x` is that case (`2x` is read again after the row
+/// maximum).
+///
+/// burn-cubecl-fusion 0.21's reduce fusers take a reduction only after an elementwise operation
+/// of its input's shape (`ReduceFuser::on_reduce` closes otherwise), so a run a reduction starts
+/// is not theirs at all. Relative ids and shapes are the same for every run of one relative
+/// prefix, so the answer is too (the trie may keep it).
+pub(super) fn first_block<'a>(run: impl IntoIterator<Item = &'a OperationIr>) -> FirstBlock {
+    let mut run = run.into_iter();
+    let Some(first) = run.next() else {
+        return FirstBlock::Reads;
+    };
+    let mut made: SmallVec<[TensorId; 8]> = SmallVec::new();
+    let mut written: SmallVec<[TensorId; 4]> = SmallVec::new();
+    let mut reduced: Option<&Shape> = None;
+    for op in [first].into_iter().chain(run) {
+        if let OperationIr::Drop(tensor) = op {
+            made.retain(|id| *id != tensor.id);
+            continue;
+        }
+        if reduced.is_some() {
+            for input in op.inputs() {
+                if made.contains(&input.id) && !written.contains(&input.id) {
+                    written.push(input.id);
+                }
+            }
+            continue;
+        }
+        for input in op.inputs() {
+            if input.status == TensorStatus::ReadWrite {
+                made.retain(|id| *id != input.id);
+            }
+        }
+        match reduction(op) {
+            Some(ir) => reduced = Some(&ir.input.shape),
+            None => made.extend(op.outputs().map(|out| out.id)),
+        }
+    }
+    for id in made {
+        if !written.contains(&id) {
+            written.push(id);
+        }
+    }
+    if written.is_empty() {
+        return FirstBlock::Reads;
+    }
+    let view = matches!(
+        first,
+        OperationIr::BaseFloat(BaseOperationIr::Reshape(_) | BaseOperationIr::SwapDims(_))
+            | OperationIr::BaseInt(BaseOperationIr::Reshape(_) | BaseOperationIr::SwapDims(_))
+            | OperationIr::BaseBool(BaseOperationIr::Reshape(_) | BaseOperationIr::SwapDims(_))
+    );
+    let (Some(out), Some(operand), Some(reduced)) =
+        (first.outputs().next(), first.inputs().next(), reduced)
+    else {
+        return FirstBlock::Writes;
+    };
+    if !view
+        && reduction(first).is_none()
+        && written.contains(&out.id)
+        && out.shape == *reduced
+        && operand.shape == out.shape
+    {
+        FirstBlock::WritesFirstMade
+    } else {
+        FirstBlock::Writes
+    }
+}
+
+/// Whether `strides` lay a tensor of `shape` out contiguously, row-major (dimensions of size 1
+/// may have any stride).
+pub(super) fn contiguous(shape: &Shape, strides: &[usize]) -> bool {
+    let mut expected = 1;
+    for (dim, stride) in shape.iter().zip(strides).rev() {
+        if *dim != 1 && *stride != expected {
+            return false;
+        }
+        expected *= dim;
+    }
+    shape.rank() == strides.len()
+}
+
 /// Whether neither operand of a matmul is quantized (the matmul fuser's quantized path is
 /// not taken here).
 pub(super) fn unquantized(ir: &MatmulOpIr) -> bool {

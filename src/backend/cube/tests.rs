@@ -233,6 +233,118 @@ fn an_elementwise_run_of_two_operations_runs_unfused_by_default() {
     assert_eq!(reduce.chosen(), Some((2, FuserKind::Reduce)));
 }
 
+/// `out = input.sum_dim(1)`, `input` kept (read-only).
+fn sum_keeping(input: u64, out: u64) -> OperationIr {
+    let mut op = sum(input, out);
+    op.mark_read_only(&[TensorId::new(input)]);
+    op
+}
+
+/// `out = input * 2` over `[4, 8]` tensors, `input` kept (read-only).
+fn double_keeping(input: u64, out: u64) -> OperationIr {
+    let mut op = add(input, input, out);
+    op.mark_read_only(&[TensorId::new(input)]);
+    op
+}
+
+/// `out = input` with its two dimensions swapped, `input` kept.
+fn swapped_keeping(input: u64, out: u64) -> OperationIr {
+    OperationIr::BaseFloat(BaseOperationIr::SwapDims(SwapDimsOpIr {
+        input: tensor(input, [4, 8], TensorStatus::ReadOnly),
+        out: tensor(out, [4, 8], TensorStatus::NotInit),
+        dim1: 0,
+        dim2: 1,
+    }))
+}
+
+/// What a reduce kernel's first block writes decides whether the reduce fusers may take the
+/// run: burn-cubecl-fusion 0.21 launches it with another tensor's strides, or out of bounds,
+/// unless the reference it then picks is the run's first made tensor over a contiguous first
+/// operand (see `first_block`).
+#[test]
+fn a_reduce_run_whose_first_block_writes_is_fused_only_where_it_launches_right() {
+    use FirstBlock::*;
+    let dropped = |id| OperationIr::Drop(tensor(id, [4, 8], TensorStatus::ReadWrite));
+    // Made before the reduction and consumed by it: nothing written.
+    assert_eq!(first_block(&[add(0, 1, 2), sum(2, 3)]), Reads);
+    assert_eq!(first_block(&[sum_keeping(0, 1), add(0, 5, 2)]), Reads);
+    // `2` is dropped in the run.
+    assert_eq!(
+        first_block(&[add(0, 1, 2), sum_keeping(2, 3), dropped(2)]),
+        Reads
+    );
+    // Made after the first reduction: a later block's output, not the first's.
+    assert_eq!(
+        first_block(&[sum(0, 1), add(1, 5, 2), sum_keeping(2, 3)]),
+        Reads
+    );
+    // The first made tensor lives past the run, or is read after the reduction (a scaled
+    // softmax): the reference is output 0 over input 0, of one shape.
+    assert_eq!(
+        first_block(&[add(0, 1, 2), sum_keeping(2, 3)]),
+        WritesFirstMade
+    );
+    assert_eq!(
+        first_block(&[add(0, 1, 2), sum_keeping(2, 3), add(2, 3, 4)]),
+        WritesFirstMade
+    );
+    // A later made tensor is written, the first is not: the reference is output 1.
+    assert_eq!(
+        first_block(&[add(0, 1, 2), add(2, 1, 3), sum_keeping(3, 4)]),
+        Writes
+    );
+    // Both the first made tensor and a later one are written: the first is the reference.
+    assert_eq!(
+        first_block(&[add(0, 1, 2), double_keeping(2, 3), sum_keeping(3, 4)]),
+        WritesFirstMade
+    );
+    // burn's per-block quantization of a transposed tensor: a kept view first.
+    assert_eq!(
+        first_block(&[swapped_keeping(0, 1), double_keeping(1, 2), sum(2, 3)]),
+        Writes
+    );
+
+    let mut fuser = fuser(elementwise_and_reduce());
+    let handles = HandleContainer::new();
+    // No handle for the first operand here: not known to be contiguous.
+    let program = [add(0, 1, 2), add(2, 1, 3), sum_keeping(3, 4), dropped(3)];
+    assert!(
+        program
+            .iter()
+            .all(|op| Fuser::<BackendRuntime<Cube>>::offer(&mut fuser, op, &handles))
+    );
+    assert!(!fuser.first_operand_contiguous);
+    assert_eq!(
+        fuser.chosen(),
+        Some((4, FuserKind::Reduce)),
+        "nothing written"
+    );
+    reset(&mut fuser);
+    assert_eq!(offer_all(&mut fuser, &program[..3]), 3);
+    // `3` is written, and it is not the first made tensor: only the elementwise prefix of
+    // two is ready, under the elementwise threshold.
+    assert_eq!(fuser.chosen(), None);
+
+    reset(&mut fuser);
+    let scaled = [add(0, 1, 2), sum_keeping(2, 3), add(2, 5, 4), add(4, 1, 6)];
+    assert_eq!(offer_all(&mut fuser, &scaled), 4);
+    assert_eq!(
+        fuser.chosen(),
+        None,
+        "a first operand not known to be contiguous"
+    );
+    fuser.first_operand_contiguous = true;
+    assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
+}
+
+#[test]
+fn contiguity_ignores_dimensions_of_size_one() {
+    assert!(contiguous(&Shape::new([4, 8]), &[8, 1]));
+    assert!(!contiguous(&Shape::new([4, 8]), &[1, 4]));
+    assert!(contiguous(&Shape::new([4, 1]), &[1, 7]));
+    assert!(!contiguous(&Shape::new([4, 8]), &[8]));
+}
+
 #[test]
 fn a_run_ends_at_its_last_ready_prefix() {
     // The reduce fuser takes the trailing additions but is never ready again after a
