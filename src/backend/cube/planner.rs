@@ -268,7 +268,8 @@ where
         if self.runs[at].alive == 0 || !fusable(op, self.reductions) {
             return false;
         }
-        if self.offered_relative.is_empty() {
+        // Only the reduce fusers ask (see `FirstBlock::WritesFirstMade`).
+        if self.reductions && self.offered_relative.is_empty() {
             self.first_operand_contiguous = op.inputs().next().is_some_and(|operand| {
                 handles
                     .get_handle_ref(&operand.id)

@@ -107,14 +107,14 @@ pub(super) enum FirstBlock {
 /// is not theirs at all. Relative ids and shapes are the same for every run of one relative
 /// prefix, so the answer is too (the trie may keep it).
 pub(super) fn first_block<'a>(run: impl IntoIterator<Item = &'a OperationIr>) -> FirstBlock {
-    let mut run = run.into_iter();
-    let Some(first) = run.next() else {
+    let mut run = run.into_iter().peekable();
+    let Some(first) = run.peek().copied() else {
         return FirstBlock::Reads;
     };
     let mut made: SmallVec<[TensorId; 8]> = SmallVec::new();
     let mut written: SmallVec<[TensorId; 4]> = SmallVec::new();
     let mut reduced: Option<&Shape> = None;
-    for op in [first].into_iter().chain(run) {
+    for op in run {
         if let OperationIr::Drop(tensor) = op {
             made.retain(|id| *id != tensor.id);
             continue;
@@ -168,17 +168,21 @@ pub(super) fn first_block<'a>(run: impl IntoIterator<Item = &'a OperationIr>) ->
     }
 }
 
-/// Whether `strides` lay a tensor of `shape` out contiguously, row-major (dimensions of size 1
-/// may have any stride).
+/// Whether `strides` are exactly the row-major contiguous strides of `shape`, those of the
+/// reference the kernel computes: the strides the launcher reads instead must equal them, size-1
+/// dimensions included (its vectorization axis is the smallest stride).
 pub(super) fn contiguous(shape: &Shape, strides: &[usize]) -> bool {
+    if shape.rank() != strides.len() {
+        return false;
+    }
     let mut expected = 1;
     for (dim, stride) in shape.iter().zip(strides).rev() {
-        if *dim != 1 && *stride != expected {
+        if *stride != expected {
             return false;
         }
         expected *= dim;
     }
-    shape.rank() == strides.len()
+    true
 }
 
 /// Whether neither operand of a matmul is quantized (the matmul fuser's quantized path is

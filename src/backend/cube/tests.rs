@@ -337,11 +337,14 @@ fn a_reduce_run_whose_first_block_writes_is_fused_only_where_it_launches_right()
     assert_eq!(fuser.chosen(), Some((4, FuserKind::Reduce)));
 }
 
+/// Exactly the contiguous strides: a size-1 dimension's stride counts too, since the launcher
+/// picks its vectorization axis from the smallest strides.
 #[test]
-fn contiguity_ignores_dimensions_of_size_one() {
+fn contiguity_is_exactly_the_row_major_strides() {
     assert!(contiguous(&Shape::new([4, 8]), &[8, 1]));
     assert!(!contiguous(&Shape::new([4, 8]), &[1, 4]));
-    assert!(contiguous(&Shape::new([4, 1]), &[1, 7]));
+    assert!(contiguous(&Shape::new([4, 1]), &[1, 1]));
+    assert!(!contiguous(&Shape::new([4, 1]), &[1, 7]));
     assert!(!contiguous(&Shape::new([4, 8]), &[8]));
 }
 
