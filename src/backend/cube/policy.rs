@@ -180,7 +180,11 @@ pub(super) fn contiguous(shape: &Shape, strides: &[usize]) -> bool {
         if *stride != expected {
             return false;
         }
-        expected *= dim;
+        // A shape's dimensions come from the user: a product past `usize` is no layout.
+        let Some(next) = expected.checked_mul(*dim) else {
+            return false;
+        };
+        expected = next;
     }
     true
 }

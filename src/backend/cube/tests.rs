@@ -346,6 +346,11 @@ fn contiguity_is_exactly_the_row_major_strides() {
     assert!(contiguous(&Shape::new([4, 1]), &[1, 1]));
     assert!(!contiguous(&Shape::new([4, 1]), &[1, 7]));
     assert!(!contiguous(&Shape::new([4, 8]), &[8]));
+    // Dimensions whose product overflows: no layout, no panic.
+    assert!(!contiguous(
+        &Shape::new([0, 1 << 40, 1 << 40]),
+        &[1 << 40, 1 << 40, 1]
+    ));
 }
 
 #[test]
