@@ -229,6 +229,56 @@ same_on_both! {
 /// on CUDA the check is what makes one valid: `P` is a permutation matrix, and `PLU`
 /// reconstructs `A` as well as plain's does (within 2x). Whether `P` matches plain's, and how far
 /// L and U are from plain's, is printed.
+
+/// An elementwise operation takes its operands out of the stream's map itself, so the engine
+/// skips its own checks around it (`OpBody::takes_its_inputs`). On success the consumed operand
+/// is gone; after a failure (integer division by zero panics on NdArray) the operation on the
+/// failed tensor is skipped, carries the error to the read, and its operand's error record is
+/// gone too. Each id is checked on this thread's stream once it has run.
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn elementwise_ops_consume_their_operands_and_errors_still_travel() {
+    use burn_tensor::TensorPrimitive;
+    use fusion_streams::backend::StreamFusion;
+
+    let device = Default::default();
+    let client = StreamFusion::<Plain>::client(&device);
+    let stream = burn_backend::StreamId::current();
+    // The id of a float tensor, and the tensor back.
+    let id_of = |t: Tensor<Ours, 1>| {
+        let primitive = t.into_primitive().tensor();
+        let id = primitive.id();
+        (
+            id,
+            Tensor::<Ours, 1>::from_primitive(TensorPrimitive::Float(primitive)),
+        )
+    };
+    let holds = |id| client.streams().holds(stream, id).unwrap();
+
+    let (x_id, x) = id_of(Tensor::from_data([1.0, -2.0], &device));
+    let (y_id, y) = id_of((x * 2.0).abs());
+    let z = y.clone() + y;
+    assert_eq!(z.into_data().to_vec::<f32>().unwrap(), vec![4.0, 8.0]);
+    client.drain();
+    assert!(!holds(x_id), "a consumed operand stays in the map");
+    assert!(
+        !holds(y_id),
+        "the last drop of an operand read twice frees it"
+    );
+
+    let a = Tensor::<Ours, 1, Int>::from_data([4, 2], &device);
+    let zero = Tensor::<Ours, 1, Int>::from_data([0, 0], &device);
+    let (failed_id, failed) = id_of((a / zero).float());
+    let downstream = failed.tanh() * 2.0;
+    let error = downstream.try_into_data().unwrap_err().to_string();
+    assert!(error.contains("int_div"), "{error}");
+    client.drain();
+    assert!(
+        !holds(failed_id),
+        "a consumed failed operand keeps its error record"
+    );
+}
+
 #[test]
 #[cfg_attr(
     feature = "cuda",

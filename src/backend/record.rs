@@ -35,9 +35,14 @@ pub(crate) trait OpIr: Send + Sync + 'static {
     fn ir(&self) -> &Self::Ir;
     fn inputs(&self) -> Irs<'_>;
     fn outputs(&self) -> &[TensorIr];
+    /// Whether every run function of this IR takes each operand through [`Take`] (see
+    /// [`OpBody::takes_its_inputs`]).
+    const TAKES_ITS_INPUTS: bool;
 }
 
-/// [`OpIr`] for IR structs with one `out` field, naming where their operands are.
+/// [`OpIr`] for IR structs with one `out` field, naming where their operands are. Their run
+/// functions are the op families' of `macros.rs` (`unary`, `binary`, `scalar`), each of which
+/// takes every operand through [`Take`].
 macro_rules! single_output_irs {
     ($($ir:ident: |$s:ident| $inputs:expr;)*) => {$(
         impl OpIr for $ir {
@@ -52,6 +57,7 @@ macro_rules! single_output_irs {
             fn outputs(&self) -> &[TensorIr] {
                 std::slice::from_ref(&self.out)
             }
+            const TAKES_ITS_INPUTS: bool = true;
         }
     )*};
 }
@@ -94,6 +100,8 @@ impl<I: Send + Sync + 'static> OpIr for Listed<I> {
     fn outputs(&self) -> &[TensorIr] {
         &self.outputs
     }
+    // Hand-written run functions may take an operand another way, or not at all.
+    const TAKES_ITS_INPUTS: bool = false;
 }
 
 /// A queued backend operation: its IR, and how to run it and describe it.
@@ -143,6 +151,10 @@ impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
         // Every run function registers each output its IR declares (or panics, which the engine
         // records on all of them).
         false
+    }
+
+    fn takes_its_inputs(&self) -> bool {
+        L::TAKES_ITS_INPUTS
     }
 }
 

@@ -129,6 +129,17 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     fn may_skip_outputs(&self) -> bool {
         true
     }
+    /// Whether its execution takes every operand from the handle map the way burn's
+    /// `get_handle` does, and fails when one is missing: a `ReadWrite` operand is removed, a
+    /// missing one panics. The engine then leaves to the execution what it would otherwise check
+    /// around it: that no operand is missing (when the stream holds no error record, a missing
+    /// operand is the only failure that check could find, and the execution's panic records it
+    /// on the outputs instead), and, after a success, that no consumed operand is left in the
+    /// map. Only this crate's run functions of elementwise IRs, which take each operand through
+    /// `record::tensor_handle`, say yes; debug builds assert that they did.
+    fn takes_its_inputs(&self) -> bool {
+        false
+    }
 }
 
 /// The operand IRs of a queued operation, in order: a list, and for a binary IR struct (whose

@@ -67,4 +67,8 @@ impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
     fn may_skip_outputs(&self) -> bool {
         (**self).may_skip_outputs()
     }
+
+    fn takes_its_inputs(&self) -> bool {
+        (**self).takes_its_inputs()
+    }
 }

@@ -319,8 +319,14 @@ impl<R: StreamRuntime> StreamState<R> {
 
     fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
         self.counters.ops_executed += 1;
+        // An operation that takes its own inputs (see `OpBody::takes_its_inputs`) needs neither
+        // check around it on a stream without error records.
+        let takes_its_inputs = op.takes_its_inputs();
+        let unchecked = takes_its_inputs && self.errors.is_empty();
 
-        if let Some(error) = self.input_failure(op) {
+        if unchecked {
+            // No input can carry an error record, and a missing one fails the execution.
+        } else if let Some(error) = self.input_failure(op) {
             self.counters.ops_skipped += 1;
             self.record_failure(op.outputs(), error);
             self.consume_inputs(op);
@@ -365,21 +371,26 @@ impl<R: StreamRuntime> StreamState<R> {
             Err(payload) => Some(Error::from_panic(op.name(), payload)),
         };
 
+        if failure.is_none() && takes_its_inputs {
+            // Every consumed input left the map with the execution, and none had an error
+            // record (an input with one skips the operation).
+            debug_assert!(
+                op.inputs()
+                    .into_iter()
+                    .all(|input| input.status != TensorStatus::ReadWrite
+                        || !self.handles.has_handle(&input.id)
+                            && !self.errors.contains_key(&input.id)),
+                "{} says it takes its inputs, and left a consumed one",
+                op.name()
+            );
+            if op.may_skip_outputs() || cfg!(debug_assertions) {
+                self.check_outputs_written(op);
+            }
+            return;
+        }
         match failure {
             None if !op.may_skip_outputs() && !cfg!(debug_assertions) => {}
-            None => {
-                for out in op.outputs() {
-                    if !self.handles.has_handle(&out.id) {
-                        self.errors.insert(
-                            out.id,
-                            Error::OutputNotWritten {
-                                op: op.name().into(),
-                                id: out.id,
-                            },
-                        );
-                    }
-                }
-            }
+            None => self.check_outputs_written(op),
             Some(error) => {
                 self.counters.ops_failed += 1;
                 tracing::debug!(op = op.name(), stream = %self.id, %error, "operation failed");
@@ -387,6 +398,22 @@ impl<R: StreamRuntime> StreamState<R> {
             }
         }
         self.consume_inputs(op);
+    }
+
+    /// Record [`Error::OutputNotWritten`] on each output a successful execution left without a
+    /// handle.
+    fn check_outputs_written<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
+        for out in op.outputs() {
+            if !self.handles.has_handle(&out.id) {
+                self.errors.insert(
+                    out.id,
+                    Error::OutputNotWritten {
+                        op: op.name().into(),
+                        id: out.id,
+                    },
+                );
+            }
+        }
     }
 
     /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
