@@ -215,21 +215,6 @@ same_on_both! {
     }
 }
 
-/// burn's blocked LU at the size its suite checks on CUDA (3 x 300 x 500, seeded input):
-/// matmul-heavy. On NdArray the same kernels run in the same order: P, L, U and the residual
-/// are identical. On CUDA, cubecl autotunes each matmul by timing, TF32 tensor cores or not, so
-/// two runs of the same program may round differently, and the blocked LU amplifies that
-/// (burn's own CUDA test of this size allows 1.5e-2 on L and U for the same reason). On the
-/// H200, plain `CubeBackend`'s own residual `max |PLU - A|` was 9.4e-3 in one process and
-/// 1.1e-2 in another; with concurrent GPU work, ours and plain's L differed by up to 4.4e-2 (the
-/// same permutation). A pivot is a discontinuous function of that rounding: where two candidate
-/// rows differ by less than it, the two runs may pick different rows, and on 2026-12-03 they did
-/// in every H200 run (residuals 9.747e-3 against plain's 9.749e-3;
-/// `docs/logs/2026-12-03-backend-tests-lu-pivot.log`). Both are then valid factorizations, so
-/// on CUDA the check is what makes one valid: `P` is a permutation matrix, and `PLU`
-/// reconstructs `A` as well as plain's does (within 2x). Whether `P` matches plain's, and how far
-/// L and U are from plain's, is printed.
-
 /// An elementwise operation takes its operands out of the stream's map itself, so the engine
 /// skips its own checks around it (`OpBody::takes_its_inputs`). On success the consumed operand
 /// is gone; after a failure (integer division by zero panics on NdArray) the operation on the
@@ -279,6 +264,20 @@ fn elementwise_ops_consume_their_operands_and_errors_still_travel() {
     );
 }
 
+/// burn's blocked LU at the size its suite checks on CUDA (3 x 300 x 500, seeded input):
+/// matmul-heavy. On NdArray the same kernels run in the same order: P, L, U and the residual
+/// are identical. On CUDA, cubecl autotunes each matmul by timing, TF32 tensor cores or not, so
+/// two runs of the same program may round differently, and the blocked LU amplifies that
+/// (burn's own CUDA test of this size allows 1.5e-2 on L and U for the same reason). On the
+/// H200, plain `CubeBackend`'s own residual `max |PLU - A|` was 9.4e-3 in one process and
+/// 1.1e-2 in another; with concurrent GPU work, ours and plain's L differed by up to 4.4e-2 (the
+/// same permutation). A pivot is a discontinuous function of that rounding: where two candidate
+/// rows differ by less than it, the two runs may pick different rows, and on 2026-12-03 they did
+/// in every H200 run (residuals 9.747e-3 against plain's 9.749e-3;
+/// `docs/logs/2026-12-03-backend-tests-lu-pivot.log`). Both are then valid factorizations, so
+/// on CUDA the check is what makes one valid: `P` is a permutation matrix, and `PLU`
+/// reconstructs `A` as well as plain's does (within 2x). Whether `P` matches plain's, and how far
+/// L and U are from plain's, is printed.
 #[test]
 #[cfg_attr(
     feature = "cuda",
