@@ -17,25 +17,41 @@ pub(crate) fn elements(dims: &[usize]) -> Option<usize> {
 }
 
 /// The byte length of a tensor of `dims` and `dtype`, checked against `limit`.
+#[inline]
 pub(crate) fn tensor_bytes(
     what: &str,
     dims: &[usize],
     dtype: DType,
     limit: usize,
 ) -> Result<usize> {
-    let too_large = |detail: String| Error::TooLarge {
+    // Every recorded operation checks its outputs here: the error is built out of line.
+    match elements(dims).and_then(|n| n.checked_mul(dtype.size())) {
+        Some(bytes) if bytes <= limit => Ok(bytes),
+        bytes => Err(too_large(what, dims, dtype, bytes, limit)),
+    }
+}
+
+/// The error for a tensor of `dims` and `dtype` whose byte length (`None`: it overflows) is
+/// past `limit`.
+#[cold]
+#[inline(never)]
+fn too_large(
+    what: &str,
+    dims: &[usize],
+    dtype: DType,
+    bytes: Option<usize>,
+    limit: usize,
+) -> Error {
+    let detail = match bytes {
+        None => "its byte length overflows usize".into(),
+        Some(bytes) => {
+            format!("{bytes} bytes exceed the runtime's largest buffer ({limit} bytes)")
+        }
+    };
+    Error::TooLarge {
         what: format!("{what} of shape {dims:?} and dtype {dtype:?}").into(),
         detail,
-    };
-    let bytes = elements(dims)
-        .and_then(|n| n.checked_mul(dtype.size()))
-        .ok_or_else(|| too_large("its byte length overflows usize".into()))?;
-    if bytes > limit {
-        return Err(too_large(format!(
-            "{bytes} bytes exceed the runtime's largest buffer ({limit} bytes)"
-        )));
     }
-    Ok(bytes)
 }
 
 /// `len` rounded up to a multiple of `align`, if that is a valid allocation size.

@@ -409,19 +409,32 @@ impl<H: Clone> Take<H> for HandleContainer<H> {
 /// removal and a reinsertion of the read ones, and moves each handle three times (a backend
 /// handle is ~100 bytes; callgrind counted ~100 instructions per operand).
 fn tensor_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> TensorHandle<H> {
-    let handle = match ir.status {
-        TensorStatus::ReadOnly => handles.get_handle_ref(&ir.id).cloned(),
-        TensorStatus::ReadWrite => match handles.remove_handle(ir.id) {
-            Some(Handle::Existing(handle)) => Some(handle),
-            _ => None,
-        },
-        TensorStatus::NotInit => None,
-    };
-    let Some(handle) = handle else {
-        panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
-    };
-    TensorHandle {
-        handle,
-        shape: crate::small::copy_shape(&ir.shape),
+    // Each arm builds the result where it finds the handle: a handle is moved once out of the
+    // map and once into the result (an `Option` between the two cost a third copy).
+    match ir.status {
+        TensorStatus::ReadOnly => {
+            if let Some(handle) = handles.get_handle_ref(&ir.id) {
+                return TensorHandle {
+                    handle: handle.clone(),
+                    shape: crate::small::copy_shape(&ir.shape),
+                };
+            }
+        }
+        TensorStatus::ReadWrite => {
+            if let Some(Handle::Existing(handle)) = handles.remove_handle(ir.id) {
+                return TensorHandle {
+                    handle,
+                    shape: crate::small::copy_shape(&ir.shape),
+                };
+            }
+        }
+        TensorStatus::NotInit => {}
     }
+    missing_handle(ir)
+}
+
+#[cold]
+#[inline(never)]
+fn missing_handle(ir: &TensorIr) -> ! {
+    panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
 }

@@ -467,6 +467,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     }
 
     /// The byte length of a tensor of `shape` and `dtype`, if this runtime could ever hold it.
+    #[inline]
     pub(crate) fn check_size(&self, what: &str, shape: &Shape, dtype: DType) -> Result<usize> {
         crate::size::tensor_bytes(what, shape, dtype, R::max_buffer_bytes(&self.inner.context))
     }

@@ -23,6 +23,7 @@ std::thread_local! {
 
 /// Whether the current thread holds a stream lock: it is running an operation, or is inside the
 /// engine's own bookkeeping.
+#[inline]
 pub(crate) fn in_engine() -> bool {
     LOCKS_HELD.with(|held| held.get() > 0)
 }
@@ -45,14 +46,17 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
         }
     }
 
+    #[inline]
     fn settle(&mut self) {
         StreamState::settle(self);
     }
 
+    #[inline]
     fn entered() {
         LOCKS_HELD.with(|held| held.set(held.get() + 1));
     }
 
+    #[inline]
     fn left() {
         LOCKS_HELD.with(|held| held.set(held.get() - 1));
     }
@@ -80,6 +84,7 @@ impl<R: StreamRuntime> StreamCell<R> {
 
     /// Take the stream's lock. Must not be called by a thread that already holds it (callers
     /// check [`in_engine`] first).
+    #[inline]
     pub(crate) fn lock(&self) -> StreamGuard<'_, R> {
         self.state.lock()
     }

@@ -55,6 +55,7 @@ impl<S: Mailbox> InboxLock<S> {
     }
 
     /// Take the lock (applying what was posted). Must not be called by a thread that holds it.
+    #[inline]
     pub(crate) fn lock(&self) -> InboxGuard<'_, S> {
         let guard = self.state.lock();
         S::entered();
@@ -90,6 +91,7 @@ impl<S: Mailbox> InboxLock<S> {
     }
 
     /// Apply the inbox, then let the state settle before its lock is released.
+    #[inline]
     fn apply(&self, state: &mut S) {
         if self.flag.load(Ordering::SeqCst) {
             self.flag.store(false, Ordering::SeqCst);
@@ -128,6 +130,7 @@ impl<S: Mailbox> DerefMut for InboxGuard<'_, S> {
 }
 
 impl<S: Mailbox> Drop for InboxGuard<'_, S> {
+    #[inline]
     fn drop(&mut self) {
         self.lock.apply(&mut self.guard);
         // SAFETY: `guard` is dropped exactly once, here, and never used afterwards.
