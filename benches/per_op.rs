@@ -54,6 +54,39 @@ fn chains<B: Backend>(count: usize) {
     }
 }
 
+/// `count` forwards of the small MLP of `benches/backend.rs` (batch 32, 64 -> 128 -> 16), each
+/// read, after one untimed forward: where the engine's cost per forward goes beyond its cost per
+/// operation (the reads, the matmuls' operands that stay alive).
+fn mlp_forwards<B: Backend>(count: usize) {
+    let device = Default::default();
+    let tensor = |n: usize, seed: usize, shape: [usize; 2]| {
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 7 + seed) % 23) as f32 / 23.0 - 0.5)
+            .collect();
+        Tensor::<B, 1>::from_data(TensorData::new(values, [n]), &device).reshape(shape)
+    };
+    let (w1, w2, x) = (
+        tensor(64 * 128, 0, [64, 128]),
+        tensor(128 * 16, 1, [128, 16]),
+        tensor(32 * 64, 2, [32, 64]),
+    );
+    let forward = || {
+        let h = burn_tensor::activation::relu(x.clone().matmul(w1.clone()) + 0.1);
+        std::hint::black_box(h.matmul(w2.clone()).sum_dim(1).into_data());
+    };
+    forward();
+    let start = Instant::now();
+    for _ in 0..count {
+        forward();
+    }
+    if count > 0 {
+        eprintln!(
+            "{count} MLP forwards: {:?} per forward (wall time)",
+            start.elapsed() / count as u32
+        );
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench` first; it is not one of ours.
     let args: Vec<String> = std::env::args()
@@ -62,7 +95,10 @@ fn main() {
         .collect();
     let who = args.first().map_or("ours", String::as_str);
     let count = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(10);
+    let mlp = args.get(2).is_some_and(|w| w == "mlp");
     match who {
+        "ours" if mlp => mlp_forwards::<Ours>(count),
+        "plain" if mlp => mlp_forwards::<Plain>(count),
         "ours" => chains::<Ours>(count),
         "plain" => chains::<Plain>(count),
         other => {

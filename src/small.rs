@@ -26,6 +26,18 @@ pub(crate) fn copy_shape(shape: &burn_backend::Shape) -> burn_backend::Shape {
     burn_backend::Shape::new_raw(SmallVec::from_slice(shape.as_slice()))
 }
 
+/// A copy of `ir`, its shape copied as [`copy_shape`] does (`TensorIr`'s derived `Clone` pays
+/// the slow shape clone).
+#[inline]
+pub(crate) fn copy_ir(ir: &burn_ir::TensorIr) -> burn_ir::TensorIr {
+    burn_ir::TensorIr {
+        id: ir.id,
+        shape: copy_shape(&ir.shape),
+        status: ir.status,
+        dtype: ir.dtype,
+    }
+}
+
 /// How many operands an operation has, as a type: its per-operand lists (the operands, their
 /// IRs, the tensors on their way in) are arrays when the count is known where the operation is
 /// recorded ([`Fixed`]: burn's operations), `SmallVec`s otherwise ([`Many`]: builders, optional

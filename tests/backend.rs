@@ -264,6 +264,39 @@ fn elementwise_ops_consume_their_operands_and_errors_still_travel() {
     );
 }
 
+/// On a backend without a fuser, ReLU is the backend's own, recorded as one operation: NdArray's
+/// clamp in place, bit for bit what plain NdArray computes (negative zero and NaN included),
+/// where burn's default would be a comparison and a masked fill.
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn relu_is_the_backends_own_where_nothing_fuses() {
+    use fusion_streams::Pending;
+    use fusion_streams::backend::StreamFusion;
+
+    let device = Default::default();
+    let client = StreamFusion::<Plain>::client(&device);
+    let values = [-1.5, -0.0, 0.0, 2.0, f32::NAN, f32::NEG_INFINITY];
+    let x = Tensor::<Ours, 1>::from_data(values, &device);
+    client.drain();
+    let y = relu(x);
+    let pending = client
+        .streams()
+        .pending(burn_backend::StreamId::current())
+        .unwrap();
+    assert!(
+        matches!(&pending[..], [Pending::Operation(op)]
+            if matches!(&**op, burn_ir::OperationIr::Custom(c) if c.id == "relu")),
+        "{pending:?}"
+    );
+    let ours = y.into_data().to_vec::<f32>().unwrap();
+    let plain = relu(Tensor::<Plain, 1>::from_data(values, &device))
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ours), bits(&plain));
+}
+
 /// burn's blocked LU at the size its suite checks on CUDA (3 x 300 x 500, seeded input):
 /// matmul-heavy. On NdArray the same kernels run in the same order: P, L, U and the residual
 /// are identical. On CUDA, cubecl autotunes each matmul by timing, TF32 tensor cores or not, so

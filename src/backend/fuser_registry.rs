@@ -56,6 +56,11 @@ pub fn register_fuser<B: IrBackend>(
     insert::<B>(registry(), make);
 }
 
+/// Whether a fuser is registered for `B` (its streams fuse while fusion is on).
+pub(crate) fn has_fuser<B: IrBackend>() -> bool {
+    registry().read().contains_key(&TypeId::of::<B>())
+}
+
 /// The fuser registered for `B`, if any.
 pub(crate) fn fuser_for<B: IrBackend>(
     device: &B::Device,

@@ -80,7 +80,7 @@ impl<I> Listed<I> {
     /// `ir` with its operands `inputs`; the outputs are read off its burn IR once, here, not on
     /// every use.
     fn new(ir: I, inputs: SmallVec<[TensorIr; 2]>, repr: fn(&I) -> OperationIr) -> Self {
-        let outputs = repr(&ir).outputs().cloned().collect();
+        let outputs = crate::small::collect(repr(&ir).outputs().map(crate::small::copy_ir));
         Self {
             ir,
             inputs,
@@ -225,7 +225,7 @@ fn listed<I: Send + Sync + 'static, const N: usize>(
     repr: fn(&I) -> OperationIr,
 ) -> impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> Listed<I> {
     move |inputs, id| {
-        let copies = crate::small::collect(inputs.iter().cloned());
+        let copies = crate::small::collect(inputs.iter().map(crate::small::copy_ir));
         Listed::new(ir(inputs, id), copies, repr)
     }
 }

@@ -483,7 +483,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let Some(mut tensor) = recycled else {
             return FusionTensor::new(
                 out.id,
-                out.shape.clone(),
+                crate::small::copy_shape(&out.shape),
                 out.dtype,
                 home.clone(),
                 self.clone(),
@@ -498,7 +498,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         inner.id = out.id;
         inner.dtype = out.dtype;
         if inner.shape != out.shape {
-            inner.shape = out.shape.clone();
+            inner.shape = crate::small::copy_shape(&out.shape);
         }
         if !Arc::ptr_eq(&inner.home, home) {
             inner.home = home.clone();
