@@ -53,6 +53,9 @@ impl<B: IrBackend> FusionRuntime for BackendRuntime<B> {
 pub struct BackendContext<B: IrBackend> {
     device: B::Device,
     rules: Option<Box<dyn StreamRules<B>>>,
+    /// Whether a fuser was registered for `B` when the device was opened (read once: recording
+    /// asks it per operation, see `ActivationOps::relu`).
+    has_fuser: bool,
     // Dropped before the retirement queue: each transfer thread finishes its jobs and exits,
     // and the CUDA route's waiters and copy streams finish, first, so no record is released
     // while a copy may still use it.
@@ -66,6 +69,12 @@ impl<B: IrBackend> BackendContext<B> {
     /// The backend's device.
     pub fn device(&self) -> &B::Device {
         &self.device
+    }
+
+    /// Whether this device's streams get a fuser (registered for `B` when the device was
+    /// opened; streams fuse while [`EngineConfig::fusion`](crate::EngineConfig::fusion) is on).
+    pub fn has_fuser(&self) -> bool {
+        self.has_fuser
     }
 
     /// The retirement queue of dropped transfers.
@@ -216,6 +225,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         Ok(BackendContext {
             device: device.clone(),
             rules: rules_for::<B>(device),
+            has_fuser: super::fuser_registry::has_fuser::<B>(),
             transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
             #[cfg(feature = "cuda")]
             cuda: super::cuda::CudaRoute::for_backend::<B>(device),

@@ -320,13 +320,11 @@ impl<R: StreamRuntime> StreamState<R> {
     fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
         self.counters.ops_executed += 1;
         // An operation that takes its own inputs (see `OpBody::takes_its_inputs`) needs neither
-        // check around it on a stream without error records.
+        // check around it on a stream without error records: no input can carry one, and a
+        // missing input fails the execution itself.
         let takes_its_inputs = op.takes_its_inputs();
-        let unchecked = takes_its_inputs && self.errors.is_empty();
-
-        if unchecked {
-            // No input can carry an error record, and a missing one fails the execution.
-        } else if let Some(error) = self.input_failure(op) {
+        let checked = !takes_its_inputs || !self.errors.is_empty();
+        if let Some(error) = checked.then(|| self.input_failure(op)).flatten() {
             self.counters.ops_skipped += 1;
             self.record_failure(op.outputs(), error);
             self.consume_inputs(op);

@@ -339,9 +339,15 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// The engine's settings (with [`EngineConfig::fusion`] as it is now).
     pub fn config(&self) -> EngineConfig {
         EngineConfig {
-            fusion: self.fusion.load(Ordering::Relaxed),
+            fusion: self.fusion_on(),
             ..self.config
         }
+    }
+
+    /// Whether fusion is on now (see [`EngineConfig::fusion`]); one relaxed load.
+    #[inline]
+    pub fn fusion_on(&self) -> bool {
+        self.fusion.load(Ordering::Relaxed)
     }
 
     /// Turn fusion on or off for every stream, from their next drain on (see
