@@ -28,7 +28,9 @@
 //!    one server thread per device, so no number of threads can launch faster than that; a
 //!    fraction near 1.0 at 8 and 16 threads says the engine is not what stops the scaling.
 //!    (Ours fuses the bias add and the ReLU into one kernel, so it launches fewer kernels per
-//!    forward than the ceiling does: the fraction is of forwards, what the user gets.)
+//!    forward than the ceiling does: the fraction is of forwards, what the user gets.) Each of
+//!    its rounds measures the ceiling and ours side by side; the fraction is the median of the
+//!    rounds' fractions.
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
 //! `FUSION_STREAMS_BENCH_ONLY=<prefix>[,<prefix>..]` runs only the measurements whose name
@@ -481,25 +483,46 @@ enum Work {
 }
 
 /// The ceiling (see the module docs): `16 × reps` MLP forwards back to back on plain `B` from
-/// one thread, against our forward rate at each thread count of `mlp` (threads, our median).
-fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[(usize, Duration)]) {
+/// one thread, against our forward rate at each thread count of `mlp`. Each round runs the
+/// ceiling and then ours at that thread count, and the fraction printed is the median of the
+/// rounds' fractions: the two sides of each fraction are measured moments apart, so a drift in
+/// the shared machine's load moves both (one ceiling measured after all the MLP rows, against
+/// their medians, moved the fraction at 16 threads between 0.79 and 1.26 from run to run).
+fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[usize]) {
     let device = Default::default();
     let forwards = 16 * reps;
-    mlp_back_to_back::<Plain>(&device, forwards);
-    let times = (0..rounds)
-        .map(|_| mlp_back_to_back::<Plain>(&device, forwards))
-        .collect();
     let per_second = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
-    let ceiling = per_second(forwards, median(times));
-    eprintln!("ceiling: {ceiling:.0} MLP forwards/s (plain, one thread, back to back)");
-    for &(threads, ours) in mlp {
-        let rate = per_second(threads * reps, ours);
-        let fraction = rate / ceiling;
+    mlp_back_to_back::<Plain>(&device, forwards);
+    let mut ceilings = Vec::new();
+    for &threads in mlp {
+        let (mut rates, mut fractions) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let ceiling = per_second(forwards, mlp_back_to_back::<Plain>(&device, forwards));
+            let ours = per_second(
+                threads * reps,
+                Contender::Ours.run(Work::Mlp(threads, reps)),
+            );
+            ceilings.push(ceiling);
+            rates.push(ours);
+            fractions.push(ours / ceiling);
+        }
+        let fraction = median_f64(fractions);
         eprintln!(
-            "ceiling-threads/{threads:<8} {rate:>10.0} forwards/s   of ceiling {fraction:.3}"
+            "ceiling-threads/{threads:<8} {:>10.0} forwards/s   of ceiling {fraction:.3} \
+             (median of {rounds} paired rounds)",
+            median_f64(rates)
         );
         ratios.push((format!("ceiling-threads/{threads}"), fraction));
     }
+    eprintln!(
+        "ceiling: {:.0} MLP forwards/s (plain, one thread, back to back; median of every round)",
+        median_f64(ceilings)
+    );
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn main() {
@@ -571,10 +594,12 @@ fn main() {
     let mut mlp = Vec::new();
     for threads in [1, 2, 4, 8, 16] {
         let name = format!("threads/{threads}");
-        if let Some(ours) = measure(&mut ratios, name, rounds, |c| {
+        if measure(&mut ratios, name, rounds, |c| {
             c.run(Work::Mlp(threads, reps))
-        }) {
-            mlp.push((threads, ours));
+        })
+        .is_some()
+        {
+            mlp.push(threads);
         }
     }
     if !mlp.is_empty() {
