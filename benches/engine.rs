@@ -131,9 +131,7 @@ mod ours {
                 .unwrap()
         }
         fn exp(&self, x: Self::Tensor) -> Self::Tensor {
-            self.0
-                .launch(Kernel::Exp, vec![Operand::Consume(x)])
-                .unwrap()
+            self.0.launch(Kernel::Exp, [Operand::Consume(x)]).unwrap()
         }
         fn sync(&self) {
             self.0.sync().unwrap();
