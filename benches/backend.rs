@@ -41,7 +41,9 @@
 //! rather than dispatch each run as it closes (`EngineConfig::dispatch_closed_runs`).
 //! `FUSION_STREAMS_BENCH_ROUNDS=<n>` sets the number of rounds (default 15) and
 //! `FUSION_STREAMS_BENCH_VERBOSE=1` prints every round's two times, not only the medians (to see
-//! whether a slow median is a steady cost or a warm-up that outlasts the untimed round).
+//! whether a slow median is a steady cost or a warm-up that outlasts the untimed round), and for
+//! the softmax, attention and layer-norm rows each call's time per repetition split into
+//! building it and reading its result.
 //! `FUSION_STREAMS_BENCH_SOLO=<ours|plain|unfused|burn-fusion>` runs one contender alone (an
 //! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
@@ -117,12 +119,12 @@ fn short_chain<B: Backend>(device: &B::Device, n: usize, reps: usize) -> Duratio
 fn softmax_rows<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Duration {
     let x = Tensor::<B, 1>::from_data(data(rows * 512, 5), device).reshape([rows, 512]);
     B::sync(device).unwrap();
+    let mut phases = Phases::new(format!("softmax/{rows}"));
     let start = Instant::now();
     for _ in 0..reps {
-        let y = softmax(x.clone() * 4.0, 1);
-        std::hint::black_box(y.into_data());
+        phases.rep(|| softmax(x.clone() * 4.0, 1), read);
     }
-    start.elapsed()
+    phases.report(start.elapsed())
 }
 
 /// `reps` times one attention step over 16 heads of `seq` positions and 64 features, then a
@@ -140,13 +142,17 @@ fn attention<B: Backend>(device: &B::Device, seq: usize, reps: usize) -> Duratio
         .expand([HEADS, seq, seq]);
     let scale = 1.0 / (FEATURES as f64).sqrt();
     B::sync(device).unwrap();
+    let mut phases = Phases::new(format!("attention/{seq}"));
     let start = Instant::now();
     for _ in 0..reps {
-        let scores = q.clone().matmul(k.clone().swap_dims(1, 2)) * scale;
-        let probabilities = softmax(scores.mask_fill(future.clone(), -1.0e9), 2);
-        std::hint::black_box(probabilities.matmul(v.clone()).into_data());
+        let step = || {
+            let scores = q.clone().matmul(k.clone().swap_dims(1, 2)) * scale;
+            let probabilities = softmax(scores.mask_fill(future.clone(), -1.0e9), 2);
+            probabilities.matmul(v.clone())
+        };
+        phases.rep(step, read);
     }
-    start.elapsed()
+    phases.report(start.elapsed())
 }
 
 /// `reps` times a layer norm over the 1,024 features of `rows` rows (biased variance, a scale
@@ -157,14 +163,69 @@ fn layer_norm<B: Backend>(device: &B::Device, rows: usize, reps: usize) -> Durat
     let gamma = Tensor::<B, 1>::from_data(data(FEATURES, 12), device).reshape([1, FEATURES]) + 1.0;
     let beta = Tensor::<B, 1>::from_data(data(FEATURES, 13), device).reshape([1, FEATURES]);
     B::sync(device).unwrap();
+    let mut phases = Phases::new(format!("layer-norm/{rows}"));
     let start = Instant::now();
     for _ in 0..reps {
-        let (variance, mean) = x.clone().var_mean_bias(1);
-        let normalised = (x.clone() - mean) / (variance + 1e-5).sqrt();
-        let y = normalised * gamma.clone() + beta.clone();
-        std::hint::black_box(y.into_data());
+        let step = || {
+            let (variance, mean) = x.clone().var_mean_bias(1);
+            let normalised = (x.clone() - mean) / (variance + 1e-5).sqrt();
+            normalised * gamma.clone() + beta.clone()
+        };
+        phases.rep(step, read);
     }
-    start.elapsed()
+    phases.report(start.elapsed())
+}
+
+/// Read a result back (the end of each repetition of the read-per-repetition workloads).
+fn read<B: Backend, const D: usize>(y: Tensor<B, D>) {
+    std::hint::black_box(y.into_data());
+}
+
+/// Where a read-per-repetition workload's time goes, printed with `FUSION_STREAMS_BENCH_VERBOSE`:
+/// building each repetition (recording its operations, and whatever the backend launches on the
+/// way) against reading its result (the rest of the dispatch, waiting for the device, the copy
+/// back). A device-bound workload spends its time reading; one bound by host work done at
+/// launch, building.
+struct Phases {
+    what: String,
+    building: Duration,
+    reading: Duration,
+    reps: u32,
+}
+
+impl Phases {
+    fn new(what: String) -> Self {
+        Self {
+            what,
+            building: Duration::ZERO,
+            reading: Duration::ZERO,
+            reps: 0,
+        }
+    }
+
+    fn rep<T>(&mut self, build: impl FnOnce() -> T, read: impl FnOnce(T)) {
+        let start = Instant::now();
+        let built = build();
+        let built_at = Instant::now();
+        read(built);
+        self.building += built_at - start;
+        self.reading += built_at.elapsed();
+        self.reps += 1;
+    }
+
+    /// `elapsed` back, after printing the split if asked to.
+    fn report(self, elapsed: Duration) -> Duration {
+        if verbose() && self.reps > 0 {
+            eprintln!(
+                "    {}: {:.1?} per repetition: building {:.1?}, reading {:.1?}",
+                self.what,
+                elapsed / self.reps,
+                self.building / self.reps,
+                self.reading / self.reps
+            );
+        }
+        elapsed
+    }
 }
 
 /// A small MLP (batch 32, 64 -> 128 -> 16): its weights and input.
