@@ -18,6 +18,10 @@
 #                                               # pipeline's time round by round
 #   ./scripts/gpu-evidence.sh bench-full [DIR]  # the backend benchmark in full, with the
 #                                               # device-thread ceiling
+#   ./scripts/gpu-evidence.sh attention [DIR]   # attention/512 and /128 alone per contender
+#                                               # (ours with every default fuser, with the
+#                                               # elementwise fuser only, unfused; plain), with
+#                                               # the building/reading split
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -40,7 +44,7 @@ step() {
     "$@" >"$out/$name.log" 2>&1
     local rc=$?
     printf '%-22s rc=%s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
-        "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY|^ratio' "$out/$name.log" | tr '\n' ' ')"
+        "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY|^ratio| alone ' "$out/$name.log" | tr '\n' ' ')"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -119,6 +123,22 @@ performance)
 bench-full)
     # The backend benchmark in full (with the device-thread ceiling).
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
+    ;;
+attention)
+    # Where the fused attention step loses at 512 positions (docs/BENCHMARKS.md, "Attention at
+    # 512 positions, alone"): each contender alone in its own process, and ours with the matmul
+    # fuser left out, each with the per-repetition split between building and reading. cubecl's
+    # cold autotune of the fused matmul takes ~30 s of the untimed round: no cap under 90 s.
+    for seq in 512 128; do
+        for who in ours ours-elementwise unfused plain; do
+            (
+                [ "$who" = ours-elementwise ] && export FUSION_STREAMS_CUBE_FUSERS=elementwise
+                FUSION_STREAMS_BENCH_ONLY="attention/$seq" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
+                    FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
+                    step "attention$seq-$who" timeout 180 ./gpu-bin/bench-backend --bench
+            )
+        done
+    done
     ;;
 *)
     echo "unknown step set: $what" >&2
