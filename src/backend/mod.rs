@@ -320,8 +320,8 @@ impl<B: IrBackend> burn_backend::ops::TransactionOps<Self> for StreamFusion<B> {
 /// `benches/per_op.rs ours|plain N mlp`). So ReLU records the backend's own `relu` as one
 /// operation on a backend without a fuser (recorded as a custom operation named `relu`: burn's
 /// IR has no ReLU), and the comparison and fill where the device's streams fuse (a fuser is
-/// registered and fusion is on), as burn-fusion does. The other activations keep burn's defaults: no backend this crate runs on implements
-/// them its own way.
+/// registered and fusion is on), as burn-fusion does. The other activations keep burn's
+/// defaults: no backend this crate runs on implements them its own way.
 impl<B: IrBackend> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {
     fn relu(tensor: record::Tensor<B>) -> record::Tensor<B> {
         use burn_backend::ops::FloatTensorOps;
