@@ -12,6 +12,7 @@ use crate::{Error, Result};
 pub(crate) const MAX_ALLOCATION: usize = isize::MAX as usize;
 
 /// The element count of `dims`, if it fits in `usize`.
+#[inline]
 pub(crate) fn elements(dims: &[usize]) -> Option<usize> {
     dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d))
 }

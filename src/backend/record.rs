@@ -305,6 +305,7 @@ pub(crate) fn create<B: IrBackend, I: Send + Sync + 'static>(
 }
 
 /// An output of `input`'s shape (burn's unary and scalar builders clone it the slow way).
+#[inline(always)]
 fn same_shape(input: &TensorIr, dtype: Option<burn_backend::DType>, id: TensorId) -> TensorIr {
     TensorIr::uninit(
         id,

@@ -134,6 +134,7 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
     /// The operand as the operation records it. An owned tensor that is the last reference to its
     /// id is handed over `ReadWrite`; so is a foreign operand's view, which only the operation
     /// will own. Everything else is `ReadOnly`.
+    #[inline(always)]
     fn ir(&self) -> TensorIr {
         match self {
             Local::Owned(t) if t.inner.count() == 1 => t.ir(TensorStatus::ReadWrite),
@@ -469,11 +470,17 @@ impl<R: StreamRuntime> FusionClient<R> {
     /// The byte length of a tensor of `shape` and `dtype`, if this runtime could ever hold it.
     #[inline]
     pub(crate) fn check_size(&self, what: &str, shape: &Shape, dtype: DType) -> Result<usize> {
-        crate::size::tensor_bytes(what, shape, dtype, R::max_buffer_bytes(&self.inner.context))
+        crate::size::tensor_bytes(
+            what,
+            crate::small::dims(shape),
+            dtype,
+            R::max_buffer_bytes(&self.inner.context),
+        )
     }
 
     /// The tensor for output `out`: a consumed operand's allocation when there is one (updated in
     /// place, its shape kept when unchanged), a new one otherwise.
+    #[inline(always)]
     fn output_tensor(
         &self,
         out: &TensorIr,
@@ -497,7 +504,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let inner = &mut owned.value;
         inner.id = out.id;
         inner.dtype = out.dtype;
-        if inner.shape != out.shape {
+        if !crate::small::same_dims(&inner.shape, &out.shape) {
             inner.shape = crate::small::copy_shape(&out.shape);
         }
         if !Arc::ptr_eq(&inner.home, home) {

@@ -140,6 +140,24 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     fn takes_its_inputs(&self) -> bool {
         false
     }
+    /// The three answers above, in one call: the engine asks them of every operation it runs,
+    /// and through the queue's `dyn OpBody` each answer is a call of its own.
+    #[inline]
+    fn traits(&self) -> Traits {
+        Traits {
+            drop_runs_user_code: self.drop_runs_user_code(),
+            may_skip_outputs: self.may_skip_outputs(),
+            takes_its_inputs: self.takes_its_inputs(),
+        }
+    }
+}
+
+/// What [`OpBody::traits`] answers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Traits {
+    pub(crate) drop_runs_user_code: bool,
+    pub(crate) may_skip_outputs: bool,
+    pub(crate) takes_its_inputs: bool,
 }
 
 /// The operand IRs of a queued operation, in order: a list, and for a binary IR struct (whose

@@ -71,4 +71,8 @@ impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
     fn takes_its_inputs(&self) -> bool {
         (**self).takes_its_inputs()
     }
+
+    fn traits(&self) -> super::Traits {
+        (**self).traits()
+    }
 }

@@ -46,7 +46,7 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn settle(&mut self) {
         StreamState::settle(self);
     }

@@ -31,8 +31,8 @@ use smallvec::SmallVec;
 
 use super::state::StreamState;
 use crate::Error;
-use crate::operation::OpBody;
 use crate::operation::QueuedOp;
+use crate::operation::{OpBody, Traits};
 use crate::runtime::{Fuser, StreamRuntime};
 
 /// What the stream's fuser has been offered of the queue's front since its last reset.
@@ -148,8 +148,9 @@ impl<R: StreamRuntime> StreamState<R> {
         match entry {
             QueuedOp::Drop(id) => self.free(id),
             QueuedOp::Op(op) => {
-                self.execute_one(&*op);
-                self.dispose(op);
+                let traits = op.traits();
+                self.execute_one(&*op, traits);
+                self.dispose_as(op, traits);
             }
         }
     }
@@ -317,12 +318,12 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
+    fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B, traits: Traits) {
         self.counters.ops_executed += 1;
         // An operation that takes its own inputs (see `OpBody::takes_its_inputs`) needs neither
         // check around it on a stream without error records: no input can carry one, and a
         // missing input fails the execution itself.
-        let takes_its_inputs = op.takes_its_inputs();
+        let takes_its_inputs = traits.takes_its_inputs;
         let checked = !takes_its_inputs || !self.errors.is_empty();
         if let Some(error) = checked.then(|| self.input_failure(op)).flatten() {
             self.counters.ops_skipped += 1;
@@ -381,13 +382,13 @@ impl<R: StreamRuntime> StreamState<R> {
                 "{} says it takes its inputs, and left a consumed one",
                 op.name()
             );
-            if op.may_skip_outputs() || cfg!(debug_assertions) {
+            if traits.may_skip_outputs || cfg!(debug_assertions) {
                 self.check_outputs_written(op);
             }
             return;
         }
         match failure {
-            None if !op.may_skip_outputs() && !cfg!(debug_assertions) => {}
+            None if !traits.may_skip_outputs && !cfg!(debug_assertions) => {}
             None => self.check_outputs_written(op),
             Some(error) => {
                 self.counters.ops_failed += 1;
@@ -417,9 +418,15 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
     /// panic is recorded on the operation's outputs.
     fn dispose(&mut self, op: crate::operation::PendingOp<R>) {
+        let traits = op.traits();
+        self.dispose_as(op, traits);
+    }
+
+    /// [`Self::dispose`] with the operation's [`Traits`] at hand.
+    fn dispose_as(&mut self, op: crate::operation::PendingOp<R>, traits: Traits) {
         // Dropped through the pool either way: its block is kept for the next body, and freed
         // if the destructor panics.
-        if !op.drop_runs_user_code() {
+        if !traits.drop_runs_user_code {
             return crate::operation::pool::recycle(op);
         }
         let name: Box<str> = op.name().into();

@@ -245,11 +245,17 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Hand the handles let go of since the last call to the runtime, to be released once the
     /// work this stream dispatched has finished with them. Called whenever the stream's lock is
     /// released, so a released buffer never waits for the stream's next use.
+    #[inline(always)]
     pub(crate) fn settle(&mut self) {
         if !self.released.is_empty() {
-            let released = std::mem::take(&mut self.released);
-            R::release_after_use(&self.context, self.id, released);
+            self.hand_released();
         }
+    }
+
+    #[inline(never)]
+    fn hand_released(&mut self) {
+        let released = std::mem::take(&mut self.released);
+        R::release_after_use(&self.context, self.id, released);
     }
 
     /// A drop of `id`'s last live tensor on its home thread: enqueue the free behind the
@@ -383,13 +389,22 @@ impl<R: StreamRuntime> StreamState<R> {
     ///
     /// With [`crate::EngineConfig::dispatch_closed_runs`], a fusing stream offers the operation
     /// to its fuser now, and runs the queue as soon as the fuser closes a run.
+    #[inline]
     pub(crate) fn enqueue(&mut self, op: QueuedOp<R>) {
         self.queue.push_back(op);
         let closed = self.dispatch_closed_runs && self.fusing() && self.offer_queued();
         let full = !closed && self.queue.len() - self.plan.scanned() >= self.max_queue_len;
+        if closed || full {
+            self.dispatch_queued(closed);
+        }
+    }
+
+    /// [`Self::enqueue`]'s dispatch of a closed run or a full queue.
+    #[inline(never)]
+    fn dispatch_queued(&mut self, closed: bool) {
         // An exiting thread runs nothing (see `local`): its stream is drained by the service
         // thread instead.
-        if !(closed || full) || super::local::exiting() {
+        if super::local::exiting() {
             return;
         }
         if closed {
