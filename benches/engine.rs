@@ -100,6 +100,11 @@ mod ours {
         fn can_mut(handle: &Arc<()>) -> bool {
             Arc::strong_count(handle) == 1
         }
+        // No buffer of this device is another stream's (as the trait asks a runtime whose
+        // buffers never are to say; burn-fusion has no such check to skip).
+        fn has_foreign_buffers(_: &()) -> bool {
+            false
+        }
         fn synchronize(_: &()) -> fusion_streams::Result<()> {
             Ok(())
         }

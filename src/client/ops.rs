@@ -3,12 +3,12 @@
 
 use burn_backend::{DType, Shape};
 use burn_ir::TensorIr;
-use smallvec::SmallVec;
 
-use super::{FusionClient, FusionTensor, Operand, Operands, hand_back};
+use super::{FusionClient, FusionTensor, Operand, hand_back};
 use crate::error::Rejected;
 use crate::operation::Builtin;
 use crate::runtime::{Kernel, StreamRuntime};
+use crate::small::{Arity, Fixed, Many};
 use crate::{Error, Result};
 
 fn arity(kernel: &Kernel) -> usize {
@@ -39,7 +39,7 @@ fn infer_output<R: StreamRuntime>(
     }
     let first = operands[0].tensor();
     let dtype = first.dtype();
-    if let Some(other) = operands
+    if let Some(other) = operands[1..]
         .iter()
         .map(Operand::tensor)
         .find(|t| t.dtype() != dtype)
@@ -59,13 +59,13 @@ fn infer_output<R: StreamRuntime>(
     let shape = match kernel {
         Kernel::Add | Kernel::Mul => {
             let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
-            if lhs != rhs {
+            if !crate::small::same_dims(lhs, rhs) {
                 return Err(Error::ShapeMismatch {
                     op: op.into(),
                     detail: format!("{:?} and {:?} differ", &lhs[..], &rhs[..]),
                 });
             }
-            lhs.clone()
+            crate::small::copy_shape(lhs)
         }
         Kernel::Matmul => {
             let (lhs, rhs) = (first.shape(), operands[1].tensor().shape());
@@ -100,33 +100,51 @@ impl<R: StreamRuntime> FusionClient<R> {
         kernel: Kernel,
         operands: impl IntoIterator<Item = Operand<'a, R>>,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
-        let operands: Operands<'a, R> = crate::small::collect(operands);
+        // Every kernel but `fill` has one or two operands: they travel as arrays, which move no
+        // list header and drop nothing inline (see `crate::small::Arity`); any other count is
+        // refused by `infer_output`, from a list.
+        let mut operands = operands.into_iter().fuse();
+        match (operands.next(), operands.next(), operands.next()) {
+            (Some(a), None, None) => self.launch_checked::<Fixed<1>>(kernel, [a]),
+            (Some(a), Some(b), None) => self.launch_checked::<Fixed<2>>(kernel, [a, b]),
+            (a, b, c) => {
+                let all = crate::small::collect(a.into_iter().chain(b).chain(c).chain(operands));
+                self.launch_checked::<Many>(kernel, all)
+            }
+        }
+    }
+
+    fn launch_checked<'a, A: Arity>(
+        &self,
+        kernel: Kernel,
+        operands: A::List<Operand<'a, R>>,
+    ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
         let checked = if matches!(kernel, Kernel::Fill(_)) {
             Err(Error::InvalidOperation {
                 op: "fill".into(),
                 detail: "use FusionClient::fill, which takes the shape".to_owned(),
             })
         } else {
-            infer_output(&kernel, &operands)
+            infer_output(&kernel, operands.as_ref())
         };
         match checked {
-            Ok((shape, dtype)) => self.register_kernel(kernel, operands, shape, dtype),
+            Ok((shape, dtype)) => self.register_kernel::<A>(kernel, operands, shape, dtype),
             Err(error) => Err(hand_back(operands, error)),
         }
     }
 
-    fn register_kernel(
+    fn register_kernel<A: Arity>(
         &self,
         kernel: Kernel,
-        operands: Operands<'_, R>,
+        operands: A::List<Operand<'_, R>>,
         shape: Shape,
         dtype: DType,
     ) -> Result<FusionTensor<R>, Rejected<FusionTensor<R>>> {
         // Boxed here, outside the stream's lock (see `QueuedOp`).
-        let build = |inputs| {
+        let build = |inputs: A::List<TensorIr>| {
             Ok(crate::operation::pool::boxed(Builtin {
                 kernel,
-                inputs,
+                inputs: crate::small::collect(inputs),
                 out: [TensorIr {
                     id: crate::id::fresh_tensor_id(),
                     shape,
@@ -135,7 +153,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                 }],
             }))
         };
-        let [out] = self.register::<crate::small::Many, _, _>(operands, build)?;
+        let [out] = self.register::<A, _, _>(operands, build)?;
         Ok(out)
     }
 
@@ -158,7 +176,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                 dtype,
             });
         }
-        self.register_kernel(kernel, SmallVec::new(), shape.into(), dtype)
+        self.register_kernel::<Fixed<0>>(kernel, [], shape.into(), dtype)
             .map_err(Rejected::into_error)
     }
 

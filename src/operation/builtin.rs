@@ -3,8 +3,9 @@
 
 use burn_backend::DType;
 use burn_ir::{
-    BinaryOpIr, FloatOperationIr, FullOpIr, HandleContainer, MatmulOpIr, NumericOperationIr,
-    OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
+    BinaryOpIr, FloatOperationIr, FullOpIr, Handle, HandleContainer, MatmulOpIr,
+    NumericOperationIr, OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, TensorStatus,
+    UnaryOpIr,
 };
 use smallvec::SmallVec;
 
@@ -31,7 +32,7 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
         context: &R::Context,
     ) -> Result<()> {
         let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
-            handle: handles.get_handle(&ir.id, &ir.status),
+            handle: take_handle(handles, ir),
             ir,
         }));
         let [out] = &self.out;
@@ -56,6 +57,37 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
         // A kernel descriptor and IRs: plain data.
         false
     }
+
+    fn may_skip_outputs(&self) -> bool {
+        // A launch that returns registers its one output; one that fails records the error.
+        false
+    }
+
+    fn takes_its_inputs(&self) -> bool {
+        // Through `take_handle`, as burn's `get_handle` takes them.
+        true
+    }
+}
+
+/// `ir`'s handle, taken as burn's `HandleContainer::get_handle` takes it (removed when the
+/// operation consumes it, cloned when it reads it; a missing one panics), without its removal
+/// and reinsertion of a read one.
+fn take_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> H {
+    let taken = match ir.status {
+        TensorStatus::ReadOnly => handles.get_handle_ref(&ir.id).cloned(),
+        TensorStatus::ReadWrite => match handles.remove_handle(ir.id) {
+            Some(Handle::Existing(handle)) => Some(handle),
+            _ => None,
+        },
+        TensorStatus::NotInit => None,
+    };
+    taken.unwrap_or_else(|| missing_handle(ir))
+}
+
+#[cold]
+#[inline(never)]
+fn missing_handle(ir: &TensorIr) -> ! {
+    panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
 }
 
 fn numeric(dtype: DType, op: NumericOperationIr) -> OperationIr {
