@@ -8,8 +8,8 @@
 //! (burn's own builder, usually), its [`OperationIr`] variant, and its run function.
 
 use burn_ir::{
-    BackendIr, BinaryOpIr, Handle, HandleContainer, OperationIr, ScalarIr, ScalarOpIr,
-    TensorHandle, TensorId, TensorIr, TensorStatus, UnaryOpIr,
+    BackendIr, BinaryOpIr, HandleContainer, OperationIr, ScalarIr, ScalarOpIr, TensorHandle,
+    TensorId, TensorIr, UnaryOpIr,
 };
 use smallvec::SmallVec;
 
@@ -22,7 +22,7 @@ use crate::{FusionClient, FusionTensor, Operand, Result};
 /// A tensor of the stream-fusion backend over `B`.
 pub type Tensor<B> = FusionTensor<BackendRuntime<B>>;
 /// The handle map an operation runs against.
-pub type Handles<B> = HandleContainer<<B as BackendIr>::Handle>;
+pub type Handles<B> = crate::operation::StreamHandles<<B as BackendIr>::Handle>;
 
 /// The IR struct a queued backend operation runs from, and where its operands and outputs sit.
 ///
@@ -391,7 +391,28 @@ pub(crate) trait Take<H> {
     }
 }
 
-impl<H: Clone> Take<H> for HandleContainer<H> {
+/// Where a run function takes its operands from: the stream's handles, or a fused kernel's
+/// container (its fallbacks).
+pub(crate) trait Source<H> {
+    /// `ir`'s handle (see [`crate::operation::StreamHandles::take`]).
+    fn take_handle(&mut self, ir: &TensorIr) -> Option<H>;
+}
+
+impl<H: Clone> Source<H> for crate::operation::StreamHandles<H> {
+    #[inline]
+    fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
+        self.take(ir)
+    }
+}
+
+impl<H: Clone> Source<H> for HandleContainer<H> {
+    #[inline]
+    fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
+        crate::operation::take_from(self, ir)
+    }
+}
+
+impl<H: Clone, S: Source<H>> Take<H> for S {
     fn take_float<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive {
         B::float_tensor(tensor_handle(self, ir))
     }
@@ -405,33 +426,17 @@ impl<H: Clone> Take<H> for HandleContainer<H> {
     }
 }
 
-/// `ir`'s handle, taken for an operation: moved out when the operation consumes it
-/// (`ReadWrite`), cloned in place when it reads it. burn's `get_handle` does the same with a
-/// removal and a reinsertion of the read ones, and moves each handle three times (a backend
-/// handle is ~100 bytes; callgrind counted ~100 instructions per operand).
-fn tensor_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> TensorHandle<H> {
-    // Each arm builds the result where it finds the handle: a handle is moved once out of the
-    // map and once into the result (an `Option` between the two cost a third copy).
-    match ir.status {
-        TensorStatus::ReadOnly => {
-            if let Some(handle) = handles.get_handle_ref(&ir.id) {
-                return TensorHandle {
-                    handle: handle.clone(),
-                    shape: crate::small::copy_shape(&ir.shape),
-                };
-            }
-        }
-        TensorStatus::ReadWrite => {
-            if let Some(Handle::Existing(handle)) = handles.remove_handle(ir.id) {
-                return TensorHandle {
-                    handle,
-                    shape: crate::small::copy_shape(&ir.shape),
-                };
-            }
-        }
-        TensorStatus::NotInit => {}
+/// `ir`'s handle with its shape, taken for an operation (see
+/// [`crate::operation::StreamHandles::take`]; its shape copied the cheap way).
+#[inline]
+fn tensor_handle<H: Clone, S: Source<H>>(handles: &mut S, ir: &TensorIr) -> TensorHandle<H> {
+    match handles.take_handle(ir) {
+        Some(handle) => TensorHandle {
+            handle,
+            shape: crate::small::copy_shape(&ir.shape),
+        },
+        None => missing_handle(ir),
     }
-    missing_handle(ir)
 }
 
 #[cold]

@@ -3,13 +3,12 @@
 
 use burn_backend::DType;
 use burn_ir::{
-    BinaryOpIr, FloatOperationIr, FullOpIr, Handle, HandleContainer, MatmulOpIr,
-    NumericOperationIr, OperationIr, ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, TensorStatus,
-    UnaryOpIr,
+    BinaryOpIr, FloatOperationIr, FullOpIr, MatmulOpIr, NumericOperationIr, OperationIr,
+    ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
 };
 use smallvec::SmallVec;
 
-use super::{Irs, OpBody};
+use super::{Irs, OpBody, StreamHandles};
 use crate::Result;
 use crate::runtime::{Kernel, KernelInput, StreamRuntime};
 
@@ -28,16 +27,16 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
 
     fn execute(
         &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
+        handles: &mut StreamHandles<R::FusionHandle>,
         context: &R::Context,
     ) -> Result<()> {
         let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
-            handle: take_handle(handles, ir),
+            handle: handles.take(ir).unwrap_or_else(|| missing_handle(ir)),
             ir,
         }));
         let [out] = &self.out;
         let handle = R::launch(context, &self.kernel, inputs, out)?;
-        handles.register_handle(out.id, handle);
+        handles.carry(out.id, handle);
         Ok(())
     }
 
@@ -64,24 +63,9 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
     }
 
     fn takes_its_inputs(&self) -> bool {
-        // Through `take_handle`, as burn's `get_handle` takes them.
+        // Through `StreamHandles::take`, as burn's `get_handle` takes them.
         true
     }
-}
-
-/// `ir`'s handle, taken as burn's `HandleContainer::get_handle` takes it (removed when the
-/// operation consumes it, cloned when it reads it; a missing one panics), without its removal
-/// and reinsertion of a read one.
-fn take_handle<H: Clone>(handles: &mut HandleContainer<H>, ir: &TensorIr) -> H {
-    let taken = match ir.status {
-        TensorStatus::ReadOnly => handles.get_handle_ref(&ir.id).cloned(),
-        TensorStatus::ReadWrite => match handles.remove_handle(ir.id) {
-            Some(Handle::Existing(handle)) => Some(handle),
-            _ => None,
-        },
-        TensorStatus::NotInit => None,
-    };
-    taken.unwrap_or_else(|| missing_handle(ir))
 }
 
 #[cold]

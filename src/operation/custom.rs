@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 
 use burn_fusion::FusionRuntime;
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
 use smallvec::SmallVec;
 
 use super::{CustomExecutor, FallibleOperation, IntoQueued, Irs, OpBody};
@@ -30,10 +30,10 @@ impl<R: StreamRuntime, O: FallibleOperation<R>> OpBody<R> for WithRepr<O> {
 
     fn execute(
         &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
+        handles: &mut super::StreamHandles<R::FusionHandle>,
         _: &R::Context,
     ) -> Result<()> {
-        self.operation.execute(handles)
+        self.operation.execute(handles.flushed())
     }
 
     fn inputs(&self) -> Irs<'_> {
@@ -65,10 +65,10 @@ impl<R: StreamRuntime, E: CustomExecutor<R>> OpBody<R> for CustomOperation<R, E>
 
     fn execute(
         &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
+        handles: &mut super::StreamHandles<R::FusionHandle>,
         _: &R::Context,
     ) -> Result<()> {
-        self.executor.execute(&self.ir, handles)
+        self.executor.execute(&self.ir, handles.flushed())
     }
 
     fn inputs(&self) -> Irs<'_> {

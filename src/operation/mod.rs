@@ -21,11 +21,13 @@ use crate::runtime::StreamRuntime;
 
 mod builtin;
 mod custom;
+mod handles;
 pub(crate) mod pool;
 mod queued;
 
 pub(crate) use builtin::Builtin;
 pub(crate) use custom::{CustomOperation, WithRepr};
+pub(crate) use handles::{StreamHandles, take_from};
 pub(crate) use queued::{IntoQueued, PendingOp, QueuedOp};
 
 /// An operation that can fail without panicking.
@@ -108,7 +110,7 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     /// Run it on the current stream.
     fn execute(
         &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
+        handles: &mut StreamHandles<R::FusionHandle>,
         context: &R::Context,
     ) -> Result<()>;
     /// The operands, with the status each has for this operation.

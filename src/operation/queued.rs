@@ -1,6 +1,6 @@
 //! What a stream's queue stores: a drop, or a boxed operation body.
 
-use burn_ir::{HandleContainer, OperationIr, TensorId, TensorIr};
+use burn_ir::{OperationIr, TensorId, TensorIr};
 
 use super::{Irs, OpBody};
 use crate::Result;
@@ -42,7 +42,7 @@ impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
 
     fn execute(
         &self,
-        handles: &mut HandleContainer<R::FusionHandle>,
+        handles: &mut super::StreamHandles<R::FusionHandle>,
         context: &R::Context,
     ) -> Result<()> {
         (**self).execute(handles, context)

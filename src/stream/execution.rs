@@ -228,7 +228,7 @@ impl<R: StreamRuntime> StreamState<R> {
                             status: TensorStatus::ReadWrite,
                             ..ir.clone()
                         };
-                        if !fuser.offer(&OperationIr::Drop(dropped), &self.handles) {
+                        if !fuser.offer(&OperationIr::Drop(dropped), self.handles.flushed()) {
                             return true;
                         }
                         plan.offered.push((plan.scanned, false));
@@ -241,7 +241,7 @@ impl<R: StreamRuntime> StreamState<R> {
                         .inputs()
                         .into_iter()
                         .any(|i| !plan.seen.contains_key(&i.id) && !self.handles.has_handle(&i.id));
-                    if failed || !fuser.offer(&op.repr(), &self.handles) {
+                    if failed || !fuser.offer(&op.repr(), self.handles.flushed()) {
                         return true;
                     }
                     for ir in op.inputs().into_iter().chain(op.outputs()) {
@@ -258,7 +258,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Execute a planned run: the fused kernels in one error scope, then each entry's
     /// bookkeeping in queue order.
     fn execute_run(&mut self, run: Vec<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
-        let (handles, context) = (&mut self.handles, &*self.context);
+        let (handles, context) = (self.handles.flushed(), &*self.context);
         let outcome = catch_unwind(AssertUnwindSafe(|| fuser.execute(handles, context)));
         let failure = match outcome {
             Ok(Ok(kernels)) => {

@@ -6,11 +6,11 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use burn_backend::StreamId;
-use burn_ir::{HandleContainer, TensorId};
+use burn_ir::TensorId;
 use hashbrown::{HashMap, HashSet};
 
 use crate::Error;
-use crate::operation::{OpBody, QueuedOp};
+use crate::operation::{OpBody, QueuedOp, StreamHandles};
 use crate::runtime::StreamRuntime;
 
 /// What the engine knows about a materialised tensor: a backend handle, or the error that
@@ -91,7 +91,7 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// The engine's switch for fusion (see `MultiStream::set_fusion`).
     pub(crate) fusion: Arc<std::sync::atomic::AtomicBool>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
-    pub(crate) handles: HandleContainer<R::FusionHandle>,
+    pub(crate) handles: StreamHandles<R::FusionHandle>,
     /// Error records: tensors whose producer failed. Disjoint from `handles`.
     pub(crate) errors: HashMap<TensorId, Error>,
     /// Sources that needed a drain to be shared; see [`crate::MultiStream`], "Bounding
@@ -141,7 +141,7 @@ impl<R: StreamRuntime> StreamState<R> {
             plan: Default::default(),
             max_fused_len: config.max_fused_len,
             dispatch_closed_runs: config.dispatch_closed_runs,
-            handles: HandleContainer::new(),
+            handles: StreamHandles::default(),
             errors: HashMap::new(),
             shared_sources: HashSet::new(),
             deferred_frees: Vec::new(),
