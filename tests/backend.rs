@@ -41,6 +41,26 @@ fn m<B: Backend>(device: &B::Device) -> Tensor<B, 2> {
 }
 
 same_on_both! {
+    // A chain's last output waits beside the stream's handle map until the next operation takes
+    // it: here it is shared to another thread (before and after its stream ran), read twice,
+    // consumed and read back.
+    carried_outputs_are_shared_read_and_consumed: |d| {
+        let x = m::<B>(d);
+        let y = (x.clone() * 2.0).exp();
+        let shared = y.clone();
+        let other = std::thread::spawn(move || (shared + 1.0).into_data())
+            .join()
+            .unwrap();
+        let twice = y.clone() + y.clone();
+        let read = y.into_data();
+        let z = x.abs().sqrt();
+        let later = z.clone();
+        let after = std::thread::spawn(move || later.tanh().into_data())
+            .join()
+            .unwrap();
+        vec![other, twice.into_data(), read, (z * 3.0).into_data(), after]
+    }
+
     float_unary_ops: |d| {
         let x = m::<B>(d);
         vec![
