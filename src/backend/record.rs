@@ -435,12 +435,6 @@ fn tensor_handle<H: Clone, S: Source<H>>(handles: &mut S, ir: &TensorIr) -> Tens
             handle,
             shape: crate::small::copy_shape(&ir.shape),
         },
-        None => missing_handle(ir),
+        None => crate::operation::missing_handle(ir),
     }
-}
-
-#[cold]
-#[inline(never)]
-fn missing_handle(ir: &TensorIr) -> ! {
-    panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
 }

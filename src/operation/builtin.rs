@@ -8,7 +8,7 @@ use burn_ir::{
 };
 use smallvec::SmallVec;
 
-use super::{Irs, OpBody, StreamHandles};
+use super::{Irs, OpBody, StreamHandles, missing_handle};
 use crate::Result;
 use crate::runtime::{Kernel, KernelInput, StreamRuntime};
 
@@ -66,12 +66,6 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
         // Through `StreamHandles::take`, as burn's `get_handle` takes them.
         true
     }
-}
-
-#[cold]
-#[inline(never)]
-fn missing_handle(ir: &TensorIr) -> ! {
-    panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
 }
 
 fn numeric(dtype: DType, op: NumericOperationIr) -> OperationIr {

@@ -183,6 +183,14 @@ pub(crate) fn take_from<H: Clone>(map: &mut HandleContainer<H>, ir: &TensorIr) -
     }
 }
 
+/// The panic of an operation whose input has no handle on its stream: the engine registers every
+/// input's handle before the operation runs, so this is a broken invariant, not a user error.
+#[cold]
+#[inline(never)]
+pub(crate) fn missing_handle(ir: &TensorIr) -> ! {
+    panic!("no handle for tensor {:?} ({:?})", ir.id, ir.status);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

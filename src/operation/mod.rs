@@ -27,7 +27,7 @@ mod queued;
 
 pub(crate) use builtin::Builtin;
 pub(crate) use custom::{CustomOperation, WithRepr};
-pub(crate) use handles::{StreamHandles, take_from};
+pub(crate) use handles::{StreamHandles, missing_handle, take_from};
 pub(crate) use queued::{IntoQueued, PendingOp, QueuedOp};
 
 /// An operation that can fail without panicking.
