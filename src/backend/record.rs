@@ -181,7 +181,7 @@ pub(crate) fn record<B: IrBackend, I: Send + Sync + 'static, const N: usize, con
     record_ir::<B, _, Fixed<N>, _>(
         &client,
         name,
-        operands.map(Operand::Consume),
+        crate::small::map_array(operands, Operand::Consume),
         listed(ir, repr),
         repr,
         run,
@@ -282,7 +282,7 @@ fn record_out<B: IrBackend, L: OpIr, const N: usize>(
     let [out] = record_ir::<B, L, Fixed<N>, _>(
         &client,
         name,
-        operands.map(Operand::Consume),
+        crate::small::map_array(operands, Operand::Consume),
         ir,
         repr,
         run,
@@ -399,7 +399,7 @@ pub(crate) trait Source<H> {
 }
 
 impl<H: Clone> Source<H> for crate::operation::StreamHandles<H> {
-    #[inline]
+    #[inline(always)]
     fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
         self.take(ir)
     }
@@ -428,7 +428,7 @@ impl<H: Clone, S: Source<H>> Take<H> for S {
 
 /// `ir`'s handle with its shape, taken for an operation (see
 /// [`crate::operation::StreamHandles::take`]; its shape copied the cheap way).
-#[inline]
+#[inline(always)]
 fn tensor_handle<H: Clone, S: Source<H>>(handles: &mut S, ir: &TensorIr) -> TensorHandle<H> {
     match handles.take_handle(ir) {
         Some(handle) => TensorHandle {

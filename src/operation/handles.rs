@@ -108,7 +108,7 @@ impl<H: Clone> StreamHandles<H> {
     /// `ir`'s handle, taken for an operation: moved out when the operation consumes it
     /// (`ReadWrite`), cloned in place when it reads it, as burn's `get_handle` does (which
     /// removes and reinserts a read one). `None` when it has none.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn take(&mut self, ir: &TensorIr) -> Option<H> {
         if let Some((carried, handle)) = &self.carried
             && *carried == ir.id
