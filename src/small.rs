@@ -113,6 +113,11 @@ pub(crate) trait Arity {
     fn map<T, U>(list: Self::List<T>, f: impl FnMut(T) -> U) -> Self::List<U>;
     /// A new list of `f` of each item of `list`, in order.
     fn map_ref<T, U>(list: &Self::List<T>, f: impl FnMut(&T) -> U) -> Self::List<U>;
+    /// The operands' IRs as an operation body keeps them (a `List<TensorIr>` that says it can
+    /// cross threads).
+    type Irs: AsRef<[burn_ir::TensorIr]> + Send + Sync + 'static;
+    /// `list`, as that type.
+    fn irs(list: Self::List<burn_ir::TensorIr>) -> Self::Irs;
 }
 
 /// Exactly `N` operands: arrays.
@@ -130,6 +135,13 @@ impl<const N: usize> Arity for Fixed<N> {
     fn map_ref<T, U>(list: &[T; N], f: impl FnMut(&T) -> U) -> [U; N] {
         map_array_ref(list, f)
     }
+
+    type Irs = [burn_ir::TensorIr; N];
+
+    #[inline(always)]
+    fn irs(list: [burn_ir::TensorIr; N]) -> Self::Irs {
+        list
+    }
 }
 
 /// Any number of operands, most often one or two: `SmallVec`s.
@@ -146,6 +158,13 @@ impl Arity for Many {
     #[inline]
     fn map_ref<T, U>(list: &SmallVec<[T; 2]>, f: impl FnMut(&T) -> U) -> SmallVec<[U; 2]> {
         collect(list.iter().map(f))
+    }
+
+    type Irs = SmallVec<[burn_ir::TensorIr; 2]>;
+
+    #[inline]
+    fn irs(list: SmallVec<[burn_ir::TensorIr; 2]>) -> Self::Irs {
+        list
     }
 }
 

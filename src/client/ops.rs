@@ -144,7 +144,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let build = |inputs: A::List<TensorIr>| {
             Ok(crate::operation::pool::boxed(Builtin {
                 kernel,
-                inputs: crate::small::collect(inputs),
+                inputs: A::irs(inputs),
                 out: [TensorIr {
                     id: crate::id::fresh_tensor_id(),
                     shape,

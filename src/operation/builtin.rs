@@ -6,7 +6,6 @@ use burn_ir::{
     BinaryOpIr, FloatOperationIr, FullOpIr, MatmulOpIr, NumericOperationIr, OperationIr,
     ReduceOpIr, ScalarIr, ScalarOpIr, TensorIr, UnaryOpIr,
 };
-use smallvec::SmallVec;
 
 use super::{Irs, OpBody, StreamHandles, missing_handle};
 use crate::Result;
@@ -14,13 +13,16 @@ use crate::runtime::{Kernel, KernelInput, StreamRuntime};
 
 /// Runs a built-in kernel: takes the operands from the stream's handles, launches, registers the
 /// output. Its burn IR is derived on demand.
-pub(crate) struct Builtin {
+///
+/// `L` is the operand IRs' list as registration made it: an array for one or two operands (no
+/// list header moved, nothing spilled to check on drop), a `SmallVec` otherwise.
+pub(crate) struct Builtin<L> {
     pub(crate) kernel: Kernel,
-    pub(crate) inputs: SmallVec<[TensorIr; 2]>,
+    pub(crate) inputs: L,
     pub(crate) out: [TensorIr; 1],
 }
 
-impl<R: StreamRuntime> OpBody<R> for Builtin {
+impl<R: StreamRuntime, L: AsRef<[TensorIr]> + Send + Sync + 'static> OpBody<R> for Builtin<L> {
     fn name(&self) -> &str {
         self.kernel.name()
     }
@@ -30,7 +32,7 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
         handles: &mut StreamHandles<R::FusionHandle>,
         context: &R::Context,
     ) -> Result<()> {
-        let inputs = crate::small::collect(self.inputs.iter().map(|ir| KernelInput {
+        let inputs = crate::small::collect(self.inputs.as_ref().iter().map(|ir| KernelInput {
             handle: handles.take(ir).unwrap_or_else(|| missing_handle(ir)),
             ir,
         }));
@@ -41,7 +43,7 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
     }
 
     fn inputs(&self) -> Irs<'_> {
-        Irs::list(&self.inputs)
+        Irs::list(self.inputs.as_ref())
     }
 
     fn outputs(&self) -> &[TensorIr] {
@@ -49,7 +51,7 @@ impl<R: StreamRuntime> OpBody<R> for Builtin {
     }
 
     fn repr(&self) -> OperationIr {
-        kernel_ir(&self.kernel, &self.inputs, &self.out[0])
+        kernel_ir(&self.kernel, self.inputs.as_ref(), &self.out[0])
     }
 
     fn drop_runs_user_code(&self) -> bool {
