@@ -22,6 +22,9 @@
 #                                               # (ours with every default fuser, with the
 #                                               # elementwise fuser only, unfused; plain), with
 #                                               # the building/reading split
+#   ./scripts/gpu-evidence.sh solo [DIR]        # attention/128 and softmax/64 alone per contender
+#                                               # (the same four), 7 rounds each, with the split;
+#                                               # after a bench run has warmed the autotune cache
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -136,6 +139,20 @@ attention)
                 FUSION_STREAMS_BENCH_ONLY="attention/$seq" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
                     FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
                     step "attention$seq-$who" timeout 180 ./gpu-bin/bench-backend --bench
+            )
+        done
+    done
+    ;;
+solo)
+    # The rows furthest below plain (docs/BENCHMARKS.md, "Each contender alone, the rows furthest
+    # below plain"): each contender alone in its own process, with the building/reading split.
+    for row in attention/128 softmax/64; do
+        for who in ours ours-elementwise unfused plain; do
+            (
+                [ "$who" = ours-elementwise ] && export FUSION_STREAMS_CUBE_FUSERS=elementwise
+                FUSION_STREAMS_BENCH_ONLY="$row" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
+                    FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
+                    step "solo-${row%/*}${row#*/}-$who" timeout 75 ./gpu-bin/bench-backend --bench
             )
         done
     done
