@@ -213,7 +213,10 @@ impl Phases {
         self.reps += 1;
     }
 
-    /// `elapsed` back, after printing the split if asked to.
+    /// `elapsed` back, after printing the split if asked to. Never inlined: it ends each round
+    /// of a read-per-repetition workload, so a profiler can cut its record there (callgrind's
+    /// `--dump-after='*Phases*report*'`: one record per round, the first with the start-up).
+    #[inline(never)]
     fn report(self, elapsed: Duration) -> Duration {
         if verbose() && self.reps > 0 {
             eprintln!(

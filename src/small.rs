@@ -1,10 +1,12 @@
-//! Collecting into `SmallVec`s on the hot path.
+//! Small helpers for the recording path, each cheaper than the general tool it replaces there.
 //!
 //! `SmallVec`'s `FromIterator`/`Extend` reserve for the iterator's size hint and handle the
 //! spilled case up front, which costs ~160 instructions even for one element (measured with
 //! callgrind on the op-registration path). Operations have one or two operands and one output,
-//! so a loop of `push`es is several times cheaper.
+//! so a loop of `push`es is several times cheaper. Likewise a short list of ids is searched
+//! faster by a scan than by hashing ([`Positions`]).
 
+use hashbrown::HashMap;
 use smallvec::{Array, SmallVec};
 
 /// Collect `items` by pushing them one at a time.
@@ -201,6 +203,80 @@ impl<T, const K: usize> Gather<T> for [T; K] {
     }
 }
 
+/// Up to how many entries [`Positions`] scans instead of looking up its map.
+const SCANNED: usize = 32;
+
+/// The position of each key of a list of distinct keys that grows and shrinks at its end: found
+/// by scanning the keys while there are at most [`SCANNED`] of them (a short run: no hashing),
+/// through a map beside them once there are more.
+pub(crate) struct Positions<K> {
+    keys: Vec<K>,
+    /// Every key's position, kept only while there are more than [`SCANNED`] keys.
+    map: HashMap<K, usize>,
+}
+
+impl<K> Default for Positions<K> {
+    fn default() -> Self {
+        Self {
+            keys: Vec::new(),
+            map: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Copy + Eq + std::hash::Hash> Positions<K> {
+    // The relative IR of the CUDA fusers keeps its sizes in one and asks these two.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// The keys, in order.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn keys(&self) -> &[K] {
+        &self.keys
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, key: K) -> Option<usize> {
+        if self.keys.len() <= SCANNED {
+            // Newest first: an operation's operand is most often the output just before it.
+            self.keys.iter().rposition(|k| *k == key)
+        } else {
+            self.map.get(&key).copied()
+        }
+    }
+
+    #[inline]
+    pub(crate) fn push(&mut self, key: K) -> usize {
+        let position = self.keys.len();
+        self.keys.push(key);
+        if self.keys.len() > SCANNED {
+            if self.map.is_empty() {
+                self.map
+                    .extend(self.keys.iter().enumerate().map(|(at, k)| (*k, at)));
+            } else {
+                self.map.insert(key, position);
+            }
+        }
+        position
+    }
+
+    pub(crate) fn truncate(&mut self, len: usize) {
+        if self.keys.len() <= len {
+            return;
+        }
+        if len <= SCANNED {
+            self.map.clear();
+        } else {
+            for key in &self.keys[len..] {
+                self.map.remove(key);
+            }
+        }
+        self.keys.truncate(len);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::rc::Rc;
@@ -248,5 +324,34 @@ mod tests {
             assert_eq!(copy, shape);
             assert_eq!(copy.as_slice(), dims.as_slice());
         }
+    }
+
+    #[test]
+    fn positions_are_found_by_scan_and_by_map_alike() {
+        let mut positions = super::Positions::default();
+        for key in 0..100u64 {
+            assert_eq!(positions.push(key * 7), key as usize);
+            // Every key pushed so far, on both sides of the switch to the map.
+            for earlier in 0..=key {
+                assert_eq!(positions.get(earlier * 7), Some(earlier as usize));
+            }
+            assert_eq!(positions.get(key * 7 + 1), None);
+        }
+        // Back below the switch: scanned again, the rest forgotten.
+        positions.truncate(40);
+        assert_eq!(positions.get(39 * 7), Some(39));
+        assert_eq!(positions.get(40 * 7), None);
+        positions.truncate(10);
+        assert_eq!(positions.len(), 10);
+        assert_eq!(positions.get(9 * 7), Some(9));
+        assert_eq!(positions.get(10 * 7), None);
+        assert_eq!(positions.get(50 * 7), None);
+        // And past it again: the map is rebuilt from the keys.
+        for key in 10..60u64 {
+            positions.push(key * 3);
+        }
+        assert_eq!(positions.get(59 * 3), Some(59));
+        assert_eq!(positions.get(5 * 7), Some(5));
+        assert_eq!(positions.keys().len(), 60);
     }
 }

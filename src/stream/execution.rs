@@ -26,7 +26,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 
 use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashSet;
 use smallvec::SmallVec;
 
 use super::state::StreamState;
@@ -34,6 +34,7 @@ use crate::Error;
 use crate::operation::QueuedOp;
 use crate::operation::{OpBody, Traits};
 use crate::runtime::{Fuser, StreamRuntime};
+use crate::small::{Positions, copy_ir};
 
 /// What the stream's fuser has been offered of the queue's front since its last reset.
 ///
@@ -49,8 +50,12 @@ pub(crate) struct Plan {
     closed: bool,
     /// The offered entries: their index in the queue, and whether each is an operation.
     offered: Vec<(usize, bool)>,
-    /// The tensors the offered operations read or produce, for the IR of their drops.
-    seen: HashMap<TensorId, TensorIr>,
+    /// The tensors the offered operations read or produce (found by a scan while the run is
+    /// short: most runs are)...
+    seen: Positions<TensorId>,
+    /// ...and, for each, the queue index of the first offered operation naming it, whose IR of it
+    /// a drop of it is offered with.
+    seen_in: Vec<usize>,
 }
 
 impl Plan {
@@ -63,7 +68,8 @@ impl Plan {
         self.scanned = 0;
         self.closed = false;
         self.offered.clear();
-        self.seen.clear();
+        self.seen.truncate(0);
+        self.seen_in.clear();
     }
 
     /// Whether an offered entry is an operation.
@@ -223,10 +229,15 @@ impl<R: StreamRuntime> StreamState<R> {
                 QueuedOp::Drop(id) => {
                     // A drop of a tensor the run never touched is not the fuser's concern: it
                     // is freed with the run (nothing after it may use the id).
-                    if let Some(ir) = plan.seen.get(id) {
+                    if let Some(seen) = plan.seen.get(*id) {
+                        let Some(QueuedOp::Op(named)) = ops.get(plan.seen_in[seen]) else {
+                            unreachable!("a tensor is seen in an offered operation");
+                        };
+                        let mut ir = named.inputs().into_iter().chain(named.outputs());
+                        let ir = ir.find(|ir| ir.id == *id).expect("named by it");
                         let dropped = TensorIr {
                             status: TensorStatus::ReadWrite,
-                            ..ir.clone()
+                            ..copy_ir(ir)
                         };
                         if !fuser.offer(&OperationIr::Drop(dropped), self.handles.flushed()) {
                             return true;
@@ -240,12 +251,15 @@ impl<R: StreamRuntime> StreamState<R> {
                     let failed = op
                         .inputs()
                         .into_iter()
-                        .any(|i| !plan.seen.contains_key(&i.id) && !self.handles.has_handle(&i.id));
+                        .any(|i| plan.seen.get(i.id).is_none() && !self.handles.has_handle(&i.id));
                     if failed || !fuser.offer(&op.repr(), self.handles.flushed()) {
                         return true;
                     }
                     for ir in op.inputs().into_iter().chain(op.outputs()) {
-                        plan.seen.entry(ir.id).or_insert_with(|| ir.clone());
+                        if plan.seen.get(ir.id).is_none() {
+                            plan.seen.push(ir.id);
+                            plan.seen_in.push(plan.scanned);
+                        }
                     }
                     plan.offered.push((plan.scanned, true));
                 }

@@ -5,18 +5,19 @@ use super::*;
 
 /// Run the fused kernel over the stream's handles and the run's relative maps, which the context
 /// owns for the call and always gives back (a panic included: it becomes the run's error). The
-/// maps come back to be cleared and reused by the next run, not reallocated.
+/// maps come back to be refilled by the next fused run, not reallocated.
 pub(super) fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + 'static>(
     optimization: &mut CubeOptimization<R>,
     fallbacks: &[(usize, OperationIr)],
     relative: &mut Relative,
     handles: &mut HandleContainer<CubeFusionHandle<R>>,
 ) -> Result<()> {
+    let maps = relative.lend();
     let mut context = Context {
-        tensors: std::mem::take(&mut relative.relative2global),
+        tensors: maps.tensors,
         handles: std::mem::take(handles),
-        scalars: std::mem::take(&mut relative.scalars),
-        shapes_relative2global: std::mem::take(&mut relative.shapes_relative2global),
+        scalars: maps.scalars,
+        shapes_relative2global: maps.shapes,
     };
     // The operation at `index` in the run, run unfused by the backend.
     let fallback = |index: usize| -> Box<dyn FallbackOperation<R>> {
@@ -33,9 +34,11 @@ pub(super) fn run<R: CubeRuntime, B: BackendIr<Handle = CubeFusionHandle<R>> + '
         CubeOptimization::ReduceBroadcasted(reduce) => reduce.execute(&mut context, fallback),
     }));
     *handles = context.handles;
-    relative.relative2global = context.tensors;
-    relative.scalars = context.scalars;
-    relative.shapes_relative2global = context.shapes_relative2global;
+    relative.give_back(ContextMaps {
+        tensors: context.tensors,
+        scalars: context.scalars,
+        shapes: context.shapes_relative2global,
+    });
     outcome.map_err(|payload| Error::from_kernel_panic("fused kernel", payload))
 }
 

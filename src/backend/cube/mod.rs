@@ -31,10 +31,13 @@
 //! after the run (a later consuming use) never leaks into it. The fusers decide on the relative
 //! form alone, so their decisions and kernels are remembered per relative prefix (a trie of
 //! runs, as burn-fusion caches its optimizations by relative graph): a run seen before costs a
-//! lookup per operation and no fuser work. The conversion's maps are lent to the kernel's
-//! context and come back to be cleared for the next run, so a stream's steady state allocates
-//! nothing for them; a tensor seen again in a run changes only its status, which is all the
-//! undo log keeps of it.
+//! conversion and a lookup per operation and no fuser work. Both are on the recording path of
+//! every fusable operation, whether or not a kernel results, so both are kept cheap (measured
+//! with callgrind on the H200, `docs/BENCHMARKS.md`): the conversion keeps what it converted in
+//! lists, found by a scan while a run is short, and rolls back by truncating them; burn-fusion's
+//! maps are filled from the lists only when a run executes fused, and lent to its context; a
+//! trie node holds its own relative operation and compares a handful of longer prefixes
+//! directly, hashing only where there are many.
 //!
 //! **Cut runs.** A run the fusers close (or that reaches the engine's length bound) is always
 //! fused. A run its own thread's drain cuts while it is still open (a read, a sync) is fused

@@ -20,19 +20,27 @@ static CUT_RUNS: Mutex<Option<HashMap<u64, u32>>> = Mutex::new(None);
 /// The most runs [`CUT_RUNS`] counts before it starts over.
 const MAX_CUT_RUNS: usize = 1 << 16;
 
-/// A relative operation as a key. The relative form holds no floating-point value (scalars
-/// are ids into the context's table), so equality is an equivalence.
-#[derive(Clone, PartialEq, Hash)]
-pub(super) struct Key(OperationIr);
+/// Up to how many longer prefixes of a node [`CubeFuser::known`] compares one by one; past
+/// that, it looks them up by a hash of their last operation.
+const SCANNED_NEXT: usize = 8;
 
-impl Eq for Key {}
-
-/// One relative prefix the fusers have seen: which fusers took every operation of it, which of
-/// those can build a kernel for exactly it, what follows it, and the kernels built for it.
+/// One relative prefix the fusers have seen: its last operation, which fusers took every
+/// operation of it, which of those can build a kernel for exactly it, what follows it, and the
+/// kernels built for it.
 pub(super) struct Node<R: CubeRuntime> {
+    /// The relative operation that extends the parent's prefix to this one (none at the root).
+    /// The relative form holds no floating-point value (scalars are ids into the context's
+    /// table), so equality of operations is an equivalence.
+    pub(super) op: Option<OperationIr>,
+    /// How many of the prefix's entries are operations (the others are drops).
+    pub(super) ops: usize,
     pub(super) alive: Kinds,
     pub(super) ready: Kinds,
-    pub(super) next: HashMap<Key, usize>,
+    /// The longer prefixes seen, as node indices.
+    pub(super) next: Vec<usize>,
+    /// `next` by [`op_hash`] of their last operation, kept once there are more than
+    /// [`SCANNED_NEXT`] of them.
+    pub(super) next_by_hash: HashMap<u64, SmallVec<[usize; 1]>>,
     pub(super) optimizations: SmallVec<[(FuserKind, CubeOptimization<R>); 1]>,
     /// Whether the reduce fusers' readiness holds only for a run whose first operand is
     /// contiguous ([`FirstBlock::WritesFirstMade`]).
@@ -42,13 +50,24 @@ pub(super) struct Node<R: CubeRuntime> {
 impl<R: CubeRuntime> Node<R> {
     pub(super) fn new(alive: Kinds) -> Self {
         Self {
+            op: None,
+            ops: 0,
             alive,
             ready: 0,
-            next: HashMap::new(),
+            next: Vec::new(),
+            next_by_hash: HashMap::new(),
             optimizations: SmallVec::new(),
             reduce_needs_contiguous: false,
         }
     }
+}
+
+/// A hash of a relative operation, the same in every process (a trie node with many longer
+/// prefixes finds the next one by it).
+pub(super) fn op_hash(op: &OperationIr) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    op.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The fuser of one stream (see the module docs).
@@ -61,8 +80,6 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     /// Whether a reduction may join a run (a reduce fuser is enabled).
     pub(super) reductions: bool,
     pub(super) backend: PhantomData<fn() -> B>,
-    /// The accepted operations in relative form, to feed fusers that lag behind.
-    pub(super) offered_relative: Vec<OperationIr>,
     /// The accepted operations a kernel may run unfused (matmuls and reductions, global ids),
     /// with their position in the run: its fallbacks.
     pub(super) fallbacks: SmallVec<[(usize, OperationIr); 2]>,
@@ -70,7 +87,8 @@ pub(super) struct CubeFuser<R: CubeRuntime, B> {
     pub(super) relative: Relative,
     /// The trie of runs seen, `runs[0]` the empty prefix.
     pub(super) runs: Vec<Node<R>>,
-    /// The node of each accepted prefix, `path[0] == 0`.
+    /// The node of each accepted prefix, `path[0] == 0`: the accepted operations in relative
+    /// form are the nodes' operations ([`CubeFuser::prefix`]).
     pub(super) path: Vec<usize>,
     /// [`CUT_SIGHTINGS_ENV`], read when the stream was created.
     pub(super) cut_sightings: u32,
@@ -97,7 +115,6 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             working: Default::default(),
             reductions,
             backend: PhantomData,
-            offered_relative: Vec::new(),
             fallbacks: SmallVec::new(),
             relative: Relative::default(),
             runs: vec![Node::new(enabled)],
@@ -138,7 +155,7 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
         }
         let mut hasher = std::hash::DefaultHasher::new();
         (kind as u8, depth).hash(&mut hasher);
-        for op in &self.offered_relative[..depth] {
+        for op in self.prefix(depth) {
             op.hash(&mut hasher);
         }
         let key = hasher.finish();
@@ -160,6 +177,7 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
         depth: usize,
     ) -> &mut dyn OperationFuser<CubeOptimization<R>> {
         let (working, fed) = &mut self.working[kind as usize];
+        let (runs, path) = (&self.runs, &self.path);
         let from = match (*fed, working.as_ref()) {
             (Some(fed), Some(_)) if fed <= depth => fed,
             _ => {
@@ -169,8 +187,8 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
             }
         };
         let fuser = working.as_deref_mut().expect("set above");
-        for op in &self.offered_relative[from..depth] {
-            fuser.fuse(op);
+        for node in &path[from + 1..=depth] {
+            fuser.fuse(runs[*node].op.as_ref().expect("a node below the root"));
         }
         *fed = Some(depth);
         fuser
@@ -193,29 +211,81 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
         let kind = FuserKind::ALL
             .into_iter()
             .find(|kind| ready & kind.bit() != 0)?;
-        if kind == FuserKind::Elementwise {
-            let ops = self.offered_relative[..depth]
-                .iter()
-                .filter(|op| !matches!(op, OperationIr::Drop(_)))
-                .count();
-            if ops < self.min_elementwise_ops as usize {
-                return None;
-            }
+        if kind == FuserKind::Elementwise
+            && self.runs[self.path[depth]].ops < self.min_elementwise_ops as usize
+        {
+            return None;
         }
         Some((depth, kind))
+    }
+
+    /// The first `depth` accepted operations, in relative form.
+    pub(super) fn prefix(&self, depth: usize) -> impl Iterator<Item = &OperationIr> + Clone {
+        self.path[1..=depth]
+            .iter()
+            .map(|node| self.runs[*node].op.as_ref().expect("a node below the root"))
+    }
+
+    /// The node that extends node `at`'s prefix by `op` (relative), if it has been seen.
+    #[inline]
+    pub(super) fn known(&self, at: usize, op: &OperationIr) -> Option<usize> {
+        let node = &self.runs[at];
+        let same = |next: &usize| self.runs[*next].op.as_ref() == Some(op);
+        if node.next.len() <= SCANNED_NEXT {
+            node.next.iter().copied().find(same)
+        } else {
+            node.next_by_hash
+                .get(&op_hash(op))?
+                .iter()
+                .copied()
+                .find(same)
+        }
+    }
+
+    /// Add `node` to the trie as a longer prefix of node `at`'s; its index.
+    pub(super) fn add(&mut self, at: usize, node: Node<R>) -> usize {
+        let index = self.runs.len();
+        let hash = node.op.as_ref().map(op_hash);
+        self.runs.push(node);
+        self.runs[at].next.push(index);
+        if self.runs[at].next.len() > SCANNED_NEXT {
+            let hashes: SmallVec<[(u64, usize); SCANNED_NEXT]> =
+                if self.runs[at].next_by_hash.is_empty() {
+                    let next = &self.runs[at].next;
+                    next.iter()
+                        .map(|n| {
+                            (
+                                op_hash(self.runs[*n].op.as_ref().expect("below the root")),
+                                *n,
+                            )
+                        })
+                        .collect()
+                } else {
+                    SmallVec::from_slice(&[(hash.expect("below the root"), index)])
+                };
+            for (hash, next) in hashes {
+                self.runs[at]
+                    .next_by_hash
+                    .entry(hash)
+                    .or_default()
+                    .push(next);
+            }
+        }
+        index
     }
 
     /// Offer `op` (relative) to every fuser that took the whole prefix of `depth` operations
     /// ending at node `at`: the node of the longer prefix.
     pub(super) fn decide(&mut self, at: usize, depth: usize, op: &OperationIr) -> Node<R> {
         let mut node = Node::new(0);
+        node.ops = self.runs[at].ops + usize::from(!matches!(op, OperationIr::Drop(_)));
         // Asked at most once per new prefix.
         let mut first = None;
         for kind in FuserKind::ALL {
             if self.runs[at].alive & kind.bit() == 0 {
                 continue;
             }
-            if kind == FuserKind::Matmul && !one_input_width(&self.offered_relative[..depth], op) {
+            if kind == FuserKind::Matmul && !one_input_width(self.prefix(depth), op) {
                 // Never offered: the run ends here for the matmul fuser (see `one_input_width`).
                 continue;
             }
@@ -235,9 +305,8 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
                     FuserKind::Elementwise | FuserKind::Matmul => true,
                     FuserKind::Reduce | FuserKind::ReduceBroadcasted => {
                         fuser.properties().ready && {
-                            let first = *first.get_or_insert_with(|| {
-                                first_block(self.offered_relative[..depth].iter().chain([op]))
-                            });
+                            let first = *first
+                                .get_or_insert_with(|| first_block(self.prefix(depth).chain([op])));
                             node.reduce_needs_contiguous = first == FirstBlock::WritesFirstMade;
                             first != FirstBlock::Writes
                         }
@@ -269,28 +338,38 @@ where
             return false;
         }
         // Only the reduce fusers ask (see `FirstBlock::WritesFirstMade`).
-        if self.reductions && self.offered_relative.is_empty() {
+        if self.reductions && self.path.len() == 1 {
             self.first_operand_contiguous = op.inputs().next().is_some_and(|operand| {
                 handles
                     .get_handle_ref(&operand.id)
                     .is_some_and(|handle| contiguous(&operand.shape, &handle.strides))
             });
         }
-        let op = allocated_here_or_read_only(op, handles);
         // From here on, a refusal takes the operation's conversion back: the context must hold
         // exactly the accepted operations (a refused consuming use would otherwise change the
         // status of a tensor the kernel reads).
-        let key = Key(self.relative.op(&op));
-        let depth = self.offered_relative.len();
-        let next = match self.runs[at].next.get(&key) {
-            Some(next) => *next,
+        let mut relative = self.relative.op(op);
+        let mut op = Cow::Borrowed(op);
+        // The conversion lists the tensors the operation consumes; if another stream allocated
+        // one of them, it is offered read-only instead (see the module docs). Rare: converted
+        // again.
+        let consumed = self.relative.consumed.iter();
+        if consumed
+            .filter_map(|id| handles.get_handle_ref(id))
+            .any(allocated_elsewhere)
+        {
+            self.relative.roll_back();
+            op = Cow::Owned(allocated_here_or_read_only(&op, handles).into_owned());
+            relative = self.relative.op(&op);
+        }
+        let depth = self.path.len() - 1;
+        let next = match self.known(at, &relative) {
+            Some(next) => next,
             None => {
                 // A new prefix: ask the fusers, and remember their answer.
-                let node = self.decide(at, depth, &key.0);
-                self.runs.push(node);
-                let next = self.runs.len() - 1;
-                self.runs[at].next.insert(key.clone(), next);
-                next
+                let mut node = self.decide(at, depth, &relative);
+                node.op = Some(relative);
+                self.add(at, node)
             }
         };
         if self.runs[next].alive == 0 {
@@ -301,7 +380,6 @@ where
             self.fallbacks.push((depth, op.into_owned()));
         }
         self.path.push(next);
-        self.offered_relative.push(key.0);
         true
     }
 
@@ -351,7 +429,6 @@ where
                 *fed = None;
             }
         }
-        self.offered_relative.clear();
         self.fallbacks.clear();
         self.relative.clear();
         self.path.truncate(1);
@@ -359,6 +436,7 @@ where
             // Start over rather than grow without bound.
             self.runs.truncate(1);
             self.runs[0].next.clear();
+            self.runs[0].next_by_hash.clear();
         }
     }
 }

@@ -51,10 +51,13 @@ pub(super) fn reduction(op: &OperationIr) -> Option<&ReduceDimOpIr> {
 ///
 /// Relative ids are the same for every run of one relative prefix, so the answer is too (the
 /// trie may keep it).
-pub(super) fn one_input_width(prefix: &[OperationIr], op: &OperationIr) -> bool {
+pub(super) fn one_input_width<'a>(
+    prefix: impl IntoIterator<Item = &'a OperationIr>,
+    op: &'a OperationIr,
+) -> bool {
     let mut made_here: SmallVec<[TensorId; 16]> = SmallVec::new();
     let mut width = None;
-    for op in prefix.iter().chain([op]) {
+    for op in prefix.into_iter().chain([op]) {
         for input in op.inputs().filter(|input| !made_here.contains(&input.id)) {
             let size = input.dtype.size();
             if *width.get_or_insert(size) != size {

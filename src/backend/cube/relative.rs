@@ -1,173 +1,168 @@
-//! burn-fusion's relative IR, built one operation at a time, with an undo log so a run can be
-//! rolled back to any prefix.
+//! burn-fusion's relative IR, built one operation at a time, with marks so a run can be rolled
+//! back to any prefix.
+//!
+//! Every operation the engine offers is converted, and most runs are known already (a lookup in
+//! the trie) or end up running operation by operation, so the conversion is on the recording
+//! path of every fusable operation. It therefore keeps what it has converted in lists that only
+//! grow at their end while a run is offered (a tensor's relative id, a size's relative id and a
+//! scalar's id are each its position), so rolling back is truncating them, and finds a global
+//! id or a size by scanning while a run is short ([`Positions`](crate::small::Positions)). The maps burn-fusion's
+//! [`Context`] wants are filled from the lists only when a run is executed fused
+//! ([`Relative::lend`]).
 
 use super::*;
+use crate::small::{Positions, copy_ir, dims};
 
 /// burn-fusion's relative form of a run (see the module docs), built one operation at a time;
-/// the last operation's conversion can be taken back ([`Relative::roll_back`]).
+/// the last operations' conversions can be taken back ([`Relative::roll_back`]).
+#[derive(Default)]
 pub(super) struct Relative {
-    pub(super) global2relative: HashMap<TensorId, TensorIr>,
-    pub(super) relative2global: HashMap<TensorId, TensorIr>,
-    pub(super) shapes_global2relative: HashMap<usize, usize>,
-    pub(super) shapes_relative2global: HashMap<usize, usize>,
+    /// By relative id: each tensor's global IR, with the status of its latest use in the run.
+    pub(super) tensors: Vec<TensorIr>,
+    /// The global ids of `tensors`, in the same order.
+    ids: Positions<TensorId>,
+    /// By relative shape id: the size it stands for (id 0 is size 1).
+    pub(super) dims: Positions<usize>,
+    /// By scalar id: the scalar.
+    pub(super) scalars: Vec<ScalarIr>,
+    /// The status each tensor seen again in the run had before (its relative id, the status).
+    statuses: Vec<(usize, TensorStatus)>,
+    /// The lengths of the lists before each converted operation.
+    pub(super) marks: Vec<Mark>,
+    /// The global ids of the tensors the last operation converted consumes (status
+    /// `ReadWrite`: its consumed inputs, or the tensor a drop frees).
+    pub(super) consumed: SmallVec<[TensorId; 4]>,
+    /// burn-fusion's maps of the run, filled when it executes fused and lent to its context;
+    /// kept between runs so that filling them allocates nothing once a stream has warmed up.
+    context: ContextMaps,
+}
+
+/// The lengths of [`Relative`]'s lists before one operation's conversion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Mark {
+    tensors: usize,
+    dims: usize,
+    scalars: usize,
+    statuses: usize,
+}
+
+/// The maps of burn-fusion's [`Context`], by relative id.
+#[derive(Default)]
+pub(super) struct ContextMaps {
+    pub(super) tensors: HashMap<TensorId, TensorIr>,
     pub(super) scalars: HashMap<ScalarId, ScalarIr>,
-    /// What each conversion replaced, to take it back.
-    pub(super) undo: Vec<Undo>,
-    /// Where each converted operation's entries start in `undo`.
-    pub(super) marks: Vec<usize>,
-}
-
-/// One change of a conversion, with what it replaced. Small (24 bytes): a run's undo log grows
-/// by one per tensor of each operation offered.
-pub(super) enum Undo {
-    /// A tensor converted: seen first here (`None`: its entries go), or seen before with this
-    /// status (a tensor's id, shape and dtype never change, so its status is all that did).
-    Tensor {
-        global: TensorId,
-        relative: TensorId,
-        before: Option<TensorStatus>,
-    },
-    Shape(usize, usize),
-    Scalar(ScalarId),
-}
-
-const _: () = assert!(
-    std::mem::size_of::<Undo>() <= 24,
-    "the undo record stays small"
-);
-
-impl Default for Relative {
-    fn default() -> Self {
-        let mut relative = Self {
-            global2relative: HashMap::new(),
-            relative2global: HashMap::new(),
-            shapes_global2relative: HashMap::new(),
-            shapes_relative2global: HashMap::new(),
-            scalars: HashMap::new(),
-            undo: Vec::new(),
-            marks: Vec::new(),
-        };
-        relative.clear();
-        relative
-    }
+    pub(super) shapes: HashMap<usize, usize>,
 }
 
 impl Relative {
-    /// Empty, as for a new run, keeping the maps' memory (a stream's runs are alike in size).
+    /// Empty, as for a new run, keeping the lists' memory (a stream's runs are alike in size).
     pub(super) fn clear(&mut self) {
-        self.global2relative.clear();
-        self.relative2global.clear();
-        self.shapes_global2relative.clear();
-        self.shapes_relative2global.clear();
+        self.tensors.clear();
+        self.ids.truncate(0);
+        self.dims.truncate(0);
         self.scalars.clear();
-        self.undo.clear();
+        self.statuses.clear();
         self.marks.clear();
-        // Size 1 is always dimension id 0.
-        self.shapes_global2relative.insert(1, 0);
-        self.shapes_relative2global.insert(0, 1);
+    }
+
+    /// The relative id of size `dim`, given one if it is new.
+    #[inline]
+    fn dim(&mut self, dim: usize) -> usize {
+        if dim == 1 {
+            return 0;
+        }
+        if self.dims.len() == 0 {
+            // Size 1 is always id 0.
+            self.dims.push(1);
+        }
+        match self.dims.get(dim) {
+            Some(id) => id,
+            None => self.dims.push(dim),
+        }
     }
 
     pub(super) fn tensor(&mut self, ir: &TensorIr) -> TensorIr {
-        if let Some(known) = self.global2relative.get_mut(&ir.id) {
-            // Seen before in this run: only its status is new.
-            let before = std::mem::replace(&mut known.status, ir.status);
-            let relative = known.clone();
-            let global = self
-                .relative2global
-                .get_mut(&relative.id)
-                .expect("a tensor is in both maps or in neither");
-            debug_assert_eq!((&global.shape, global.dtype), (&ir.shape, ir.dtype));
-            global.status = ir.status;
-            self.undo.push(Undo::Tensor {
-                global: ir.id,
-                relative: relative.id,
-                before: Some(before),
-            });
-            return relative;
+        if ir.status == TensorStatus::ReadWrite {
+            self.consumed.push(ir.id);
         }
-        let id = TensorId::new(self.relative2global.len() as u64);
-        let shape: Shape = ir
-            .shape
-            .iter()
-            .map(|dim| match self.shapes_global2relative.get(dim) {
-                Some(relative) => *relative,
-                None => {
-                    let relative = self.shapes_global2relative.len();
-                    self.shapes_global2relative.insert(*dim, relative);
-                    self.shapes_relative2global.insert(relative, *dim);
-                    self.undo.push(Undo::Shape(*dim, relative));
-                    relative
-                }
-            })
-            .collect();
-        let relative = TensorIr {
-            id,
-            shape,
+        let id = match self.ids.get(ir.id) {
+            Some(id) => {
+                // Seen before in this run: only its status is new.
+                let known = &mut self.tensors[id];
+                debug_assert_eq!((&known.shape, known.dtype), (&ir.shape, ir.dtype));
+                let before = std::mem::replace(&mut known.status, ir.status);
+                self.statuses.push((id, before));
+                id
+            }
+            None => {
+                self.tensors.push(copy_ir(ir));
+                self.ids.push(ir.id)
+            }
+        };
+        let mut shape = SmallVec::from_slice(dims(&ir.shape));
+        for dim in shape.iter_mut() {
+            *dim = self.dim(*dim);
+        }
+        TensorIr {
+            id: TensorId::new(id as u64),
+            shape: Shape::new_raw(shape),
             status: ir.status,
             dtype: ir.dtype,
-        };
-        self.relative2global.insert(id, ir.clone());
-        self.global2relative.insert(ir.id, relative.clone());
-        self.undo.push(Undo::Tensor {
-            global: ir.id,
-            relative: id,
-            before: None,
-        });
-        relative
+        }
     }
 
     pub(super) fn scalar(&mut self, scalar: &ScalarIr) -> ScalarIr {
-        let id = ScalarId {
-            value: self.scalars.len() as u64,
-        };
-        self.scalars.insert(id, *scalar);
-        self.undo.push(Undo::Scalar(id));
-        ScalarIr::UInt(id.value)
+        self.scalars.push(*scalar);
+        ScalarIr::UInt(self.scalars.len() as u64 - 1)
     }
 
     /// Take back the conversions of the operations after the first `len`.
     pub(super) fn roll_back_to(&mut self, len: usize) {
-        while self.marks.len() > len {
-            self.roll_back();
+        if let Some(mark) = self.marks.get(len).copied() {
+            self.marks.truncate(len);
+            self.undo_to(mark);
         }
     }
 
     /// Take back the conversion of the last operation converted.
     pub(super) fn roll_back(&mut self) {
-        let Some(mark) = self.marks.pop() else {
-            return;
-        };
-        for undo in self.undo.drain(mark..).rev() {
-            match undo {
-                Undo::Tensor {
-                    global,
-                    relative,
-                    before: Some(status),
-                } => {
-                    let unknown = "a tensor converted before is in both maps";
-                    self.global2relative.get_mut(&global).expect(unknown).status = status;
-                    self.relative2global
-                        .get_mut(&relative)
-                        .expect(unknown)
-                        .status = status;
-                }
-                Undo::Tensor {
-                    global,
-                    relative,
-                    before: None,
-                } => {
-                    self.global2relative.remove(&global);
-                    self.relative2global.remove(&relative);
-                }
-                Undo::Shape(dim, relative) => {
-                    self.shapes_global2relative.remove(&dim);
-                    self.shapes_relative2global.remove(&relative);
-                }
-                Undo::Scalar(id) => {
-                    self.scalars.remove(&id);
-                }
-            }
+        if let Some(mark) = self.marks.pop() {
+            self.undo_to(mark);
         }
+    }
+
+    fn undo_to(&mut self, mark: Mark) {
+        for (id, status) in self.statuses.drain(mark.statuses..).rev() {
+            self.tensors[id].status = status;
+        }
+        self.tensors.truncate(mark.tensors);
+        self.ids.truncate(mark.tensors);
+        self.dims.truncate(mark.dims);
+        self.scalars.truncate(mark.scalars);
+    }
+
+    /// burn-fusion's maps of the operations converted (relative ids to global IRs, scalar ids
+    /// to scalars, shape ids to sizes), to lend to a fused kernel's context: they come back
+    /// through [`Relative::give_back`].
+    pub(super) fn lend(&mut self) -> ContextMaps {
+        let mut maps = std::mem::take(&mut self.context);
+        maps.tensors.clear();
+        maps.scalars.clear();
+        maps.shapes.clear();
+        let ids = (0..).map(TensorId::new);
+        maps.tensors
+            .extend(ids.zip(self.tensors.iter().map(copy_ir)));
+        let ids = (0..).map(|value| ScalarId { value });
+        maps.scalars.extend(ids.zip(self.scalars.iter().copied()));
+        maps.shapes.insert(0, 1);
+        maps.shapes
+            .extend(self.dims.keys().iter().copied().enumerate().skip(1));
+        maps
+    }
+
+    /// Take back the maps [`Relative::lend`] lent.
+    pub(super) fn give_back(&mut self, maps: ContextMaps) {
+        self.context = maps;
     }
 
     pub(super) fn unary(&mut self, ir: &UnaryOpIr) -> UnaryOpIr {
@@ -204,7 +199,13 @@ impl Relative {
 
     /// The relative form of `op`, which must be [`fusable`].
     pub(super) fn op(&mut self, op: &OperationIr) -> OperationIr {
-        self.marks.push(self.undo.len());
+        self.consumed.clear();
+        self.marks.push(Mark {
+            tensors: self.tensors.len(),
+            dims: self.dims.len(),
+            scalars: self.scalars.len(),
+            statuses: self.statuses.len(),
+        });
         match op {
             OperationIr::Drop(tensor) => OperationIr::Drop(self.tensor(tensor)),
             OperationIr::Float(dtype, op) => OperationIr::Float(*dtype, self.float(op)),

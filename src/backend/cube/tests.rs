@@ -460,6 +460,48 @@ fn a_known_prefix_asks_no_fuser() {
 }
 
 #[test]
+fn a_prefix_with_many_longer_ones_finds_each_again() {
+    // More distinct one-operation runs than a node compares one by one: the root then finds
+    // them by hash, and each is known the second time.
+    let unary = |n: usize, input: u64, out: u64| {
+        let ir = UnaryOpIr {
+            input: tensor(input, [4, 8], TensorStatus::ReadOnly),
+            out: tensor(out, [4, 8], TensorStatus::NotInit),
+        };
+        match n {
+            0 => OperationIr::Float(DType::F32, FloatOperationIr::Exp(ir)),
+            1 => OperationIr::Float(DType::F32, FloatOperationIr::Log(ir)),
+            2 => OperationIr::Float(DType::F32, FloatOperationIr::Log1p(ir)),
+            3 => OperationIr::Float(DType::F32, FloatOperationIr::Cos(ir)),
+            4 => OperationIr::Float(DType::F32, FloatOperationIr::Sin(ir)),
+            5 => OperationIr::Float(DType::F32, FloatOperationIr::Tanh(ir)),
+            6 => OperationIr::Float(DType::F32, FloatOperationIr::Sqrt(ir)),
+            7 => OperationIr::Float(DType::F32, FloatOperationIr::Erf(ir)),
+            8 => OperationIr::Float(DType::F32, FloatOperationIr::Recip(ir)),
+            _ => OperationIr::NumericFloat(DType::F32, NumericOperationIr::Abs(ir)),
+        }
+    };
+    let stand = Stand::new(elementwise, elementwise);
+    let fed = stand.fed.clone();
+    let mut fuser = fuser([Some(stand), None, None, None]);
+    let mut first = 0;
+    for round in 0..2u64 {
+        for n in 0..10 {
+            let base = 100 * round + 10 * n as u64;
+            let program = [unary(n, base, base + 1), unary(9 - n, base + 1, base + 2)];
+            assert_eq!(offer_all(&mut fuser, &program), 2);
+            reset(&mut fuser);
+        }
+        if round == 0 {
+            first = fed.load(Ordering::Relaxed);
+            assert_eq!(fuser.runs[0].next.len(), 10);
+        }
+    }
+    assert_eq!(fed.load(Ordering::Relaxed), first, "every run was known");
+    assert_eq!(fuser.runs.len(), 21);
+}
+
+#[test]
 fn a_new_run_starts_every_fuser_from_a_fresh_clone() {
     let stand = Stand::new(anything, a_reduction);
     let clones = stand.clones.clone();
@@ -493,11 +535,17 @@ fn rolling_back_to_a_prefix_gives_that_prefix_s_conversion() {
     long.roll_back_to(1);
     let mut short = Relative::default();
     short.op(&program[0]);
-    assert_eq!(long.relative2global, short.relative2global);
-    assert_eq!(long.global2relative, short.global2relative);
-    assert_eq!(long.shapes_relative2global, short.shapes_relative2global);
-    assert_eq!(long.shapes_global2relative, short.shapes_global2relative);
+    assert_same_conversion(&mut long, &mut short);
     assert_eq!(long.marks.len(), 1);
+    // Converting the rest again gives what it gave the first time.
+    let mut again = Relative::default();
+    for op in &program {
+        again.op(op);
+    }
+    for op in &program[1..] {
+        long.op(op);
+    }
+    assert_same_conversion(&mut long, &mut again);
 }
 
 #[test]
@@ -513,11 +561,102 @@ fn a_cleared_conversion_converts_like_a_fresh_one() {
     for op in &again {
         assert_eq!(reused.op(op), fresh.op(op));
     }
-    assert_eq!(reused.relative2global, fresh.relative2global);
-    assert_eq!(reused.global2relative, fresh.global2relative);
-    assert_eq!(reused.shapes_relative2global, fresh.shapes_relative2global);
-    assert_eq!(reused.shapes_global2relative, fresh.shapes_global2relative);
-    assert_eq!(reused.undo.len(), fresh.undo.len());
+    assert_same_conversion(&mut reused, &mut fresh);
+}
+
+/// The two conversions hold the same tensors, sizes and scalars, and lend the same maps.
+fn assert_same_conversion(a: &mut Relative, b: &mut Relative) {
+    assert_eq!(a.tensors, b.tensors);
+    assert_eq!(a.scalars, b.scalars);
+    assert_eq!(a.marks, b.marks);
+    let (lent_a, lent_b) = (a.lend(), b.lend());
+    assert_eq!(lent_a.tensors, lent_b.tensors);
+    assert_eq!(lent_a.scalars, lent_b.scalars);
+    assert_eq!(lent_a.shapes, lent_b.shapes);
+    a.give_back(lent_a);
+    b.give_back(lent_b);
+}
+
+#[test]
+fn the_conversion_renumbers_as_burn_fusion_does() {
+    // `out = lhs + rhs` over [4, 8], then `sum_dim(1)` of it: tensors numbered in order of first
+    // appearance, sizes by first appearance after size 1 (id 0), scalars in order.
+    let mut relative = Relative::default();
+    let first = relative.op(&add(7, 9, 11));
+    let OperationIr::NumericFloat(_, NumericOperationIr::Add(ir)) = &first else {
+        panic!("an addition converts to an addition: {first:?}");
+    };
+    assert_eq!(ir.lhs.id, TensorId::new(0));
+    assert_eq!(ir.rhs.id, TensorId::new(1));
+    assert_eq!(ir.out.id, TensorId::new(2));
+    assert_eq!(ir.out.shape, Shape::new([1, 2]));
+    let second = relative.op(&sum(11, 12));
+    let OperationIr::NumericFloat(_, NumericOperationIr::SumDim(ir)) = &second else {
+        panic!("a sum converts to a sum: {second:?}");
+    };
+    // Seen before: same relative id, the new status.
+    assert_eq!(ir.input.id, TensorId::new(2));
+    assert_eq!(ir.input.status, TensorStatus::ReadWrite);
+    assert_eq!(ir.out.shape, Shape::new([1, 0]));
+    let maps = relative.lend();
+    assert_eq!(maps.shapes, HashMap::from([(0, 1), (1, 4), (2, 8)]));
+    assert_eq!(maps.tensors[&TensorId::new(2)].id, TensorId::new(11));
+    assert_eq!(
+        maps.tensors[&TensorId::new(2)].status,
+        TensorStatus::ReadWrite
+    );
+    assert_eq!(maps.tensors.len(), 4);
+    relative.give_back(maps);
+}
+
+#[test]
+fn a_run_longer_than_the_scanned_lists_converts_the_same() {
+    // More tensors and sizes than `Positions` scans: the map beside the list takes over, and
+    // rolling back below the switch goes back to scanning.
+    let wide = |id: u64, n: usize| TensorIr {
+        id: TensorId::new(id),
+        shape: Shape::new([2 + n, 3]),
+        status: TensorStatus::ReadOnly,
+        dtype: DType::F32,
+    };
+    let op = |n: usize| {
+        OperationIr::NumericFloat(
+            DType::F32,
+            NumericOperationIr::Add(BinaryOpIr {
+                lhs: wide(1000, 0).clone(),
+                rhs: TensorIr {
+                    shape: Shape::new([2 + n, 3]),
+                    ..wide(n as u64, n)
+                },
+                out: TensorIr {
+                    status: TensorStatus::NotInit,
+                    ..wide(500 + n as u64, n)
+                },
+            }),
+        )
+    };
+    let mut relative = Relative::default();
+    let converted: Vec<OperationIr> = (1..60).map(|n| relative.op(&op(n))).collect();
+    // The shared left operand is tensor 0 every time; each new size gets the next id.
+    for (n, converted) in (1..60).zip(&converted) {
+        let OperationIr::NumericFloat(_, NumericOperationIr::Add(ir)) = converted else {
+            unreachable!()
+        };
+        assert_eq!(ir.lhs.id, TensorId::new(0));
+        assert_eq!(ir.rhs.id, TensorId::new(2 * n as u64 - 1));
+        assert_eq!(ir.out.id, TensorId::new(2 * n as u64));
+        assert_eq!(ir.rhs.shape[1], 2, "size 3 is the second size seen");
+    }
+    relative.roll_back_to(5);
+    let mut short = Relative::default();
+    for n in 1..6 {
+        short.op(&op(n));
+    }
+    assert_same_conversion(&mut relative, &mut short);
+    // And forward again, past the switch.
+    for n in 6..60 {
+        assert_eq!(relative.op(&op(n)), converted[n - 1]);
+    }
 }
 
 #[test]
