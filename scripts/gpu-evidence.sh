@@ -25,6 +25,11 @@
 #   ./scripts/gpu-evidence.sh solo [DIR]        # attention/128 and softmax/64 alone per contender
 #                                               # (the same four), 7 rounds each, with the split;
 #                                               # after a bench run has warmed the autotune cache
+#   ./scripts/gpu-evidence.sh host-profile [DIR] # host instructions per repetition of softmax/64,
+#                                               # attention/128 and layer-norm/64 under callgrind,
+#                                               # per contender (valgrind staged by
+#                                               # scripts/stage-valgrind.sh; compare the records
+#                                               # with scripts/cg-compare.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-tests}
@@ -156,6 +161,29 @@ solo)
             )
         done
     done
+    ;;
+host-profile)
+    # The host's instructions per repetition (docs/BENCHMARKS.md, "Host work per repetition on
+    # CUDA"): callgrind from $VALGRIND_DIR (default gpu-run/valgrind, staged by
+    # scripts/stage-valgrind.sh) on gpu-bin/bench-backend, which must keep its symbol table
+    # (`strip --strip-debug`, not `strip`). One callgrind record per round of a row
+    # (`--dump-after` the bench's `Phases::report`). A native round of each contender first fills
+    # cubecl's autotune and PTX caches (kept under target/ by the cubecl.toml written here), so
+    # the records hold no compilation or tuning.
+    vg=${VALGRIND_DIR:-gpu-run/valgrind}
+    rows=${FUSION_STREAMS_BENCH_ONLY:-softmax/64,attention/128,layer-norm/64}
+    printf '[compilation]\ncache = "target"\n' > cubecl.toml
+    for who in plain ours unfused; do
+        FUSION_STREAMS_BENCH_ONLY=$rows FUSION_STREAMS_BENCH_SOLO=$who FUSION_STREAMS_BENCH_ROUNDS=1 \
+            step "warm-$who" timeout 150 ./gpu-bin/bench-backend --bench
+    done
+    for who in plain ours unfused; do
+        VALGRIND_LIB=$PWD/$vg FUSION_STREAMS_BENCH_ONLY=$rows FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=2 step "callgrind-$who" timeout 300 "$vg/valgrind" \
+            --tool=callgrind --dump-after='*Phases*report*' --callgrind-out-file="$out/cg-$who.out" \
+            ./gpu-bin/bench-backend --bench &
+    done
+    wait
     ;;
 *)
     echo "unknown step set: $what" >&2
