@@ -86,7 +86,7 @@ mod ours {
         fn open(_: &MockDevice) -> fusion_streams::Result<()> {
             Ok(())
         }
-        fn upload(_: &(), _: &TensorData) -> fusion_streams::Result<Arc<()>> {
+        fn upload(_: &(), _: TensorData) -> fusion_streams::Result<Arc<()>> {
             Ok(Arc::new(()))
         }
         fn read(

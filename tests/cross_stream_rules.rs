@@ -143,7 +143,7 @@ impl StreamRuntime for Checked {
         Ok(())
     }
 
-    fn upload(_: &(), data: &TensorData) -> Result<CheckedHandle> {
+    fn upload(_: &(), data: TensorData) -> Result<CheckedHandle> {
         let values = data
             .to_vec::<f32>()
             .map_err(|e| Error::InvalidData(format!("{e:?}")))?;

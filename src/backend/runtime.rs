@@ -233,8 +233,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         })
     }
 
-    fn upload(ctx: &BackendContext<B>, data: &TensorData) -> Result<B::Handle> {
-        let data = data.clone();
+    fn upload(ctx: &BackendContext<B>, data: TensorData) -> Result<B::Handle> {
         let device = &ctx.device;
         // The backend panics on data it cannot hold: contained, as a typed error.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -307,8 +307,9 @@ impl<R: StreamRuntime> FusionClient<R> {
                 data.dtype
             )));
         }
-        let handle = R::upload(&self.inner.context, &data)?;
-        Ok(self.adopt(Entry::Handle(handle), data.shape, data.dtype))
+        let (shape, dtype) = (crate::small::copy_shape(&data.shape), data.dtype);
+        let handle = R::upload(&self.inner.context, data)?;
+        Ok(self.adopt(Entry::Handle(handle), shape, dtype))
     }
 
     /// A tensor of the current stream holding `entry` (a handle made outside the engine, or an

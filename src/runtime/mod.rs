@@ -144,8 +144,9 @@ pub trait StreamRuntime: FusionRuntime {
         crate::size::MAX_ALLOCATION
     }
 
-    /// Copy host data into a new device buffer.
-    fn upload(ctx: &Self::Context, data: &TensorData) -> Result<Self::FusionHandle>;
+    /// Copy host data into a new device buffer. The data is handed over, so a runtime whose
+    /// backend takes ownership (burn's `from_data`) need not copy it first.
+    fn upload(ctx: &Self::Context, data: TensorData) -> Result<Self::FusionHandle>;
 
     /// Wait for the buffer's last write and copy it to the host.
     ///

@@ -535,7 +535,7 @@ mod tests {
     #[test]
     fn an_output_id_that_already_has_a_handle_is_an_ssa_violation() {
         let ctx = Arc::new(HostRuntime::open(&Default::default()).unwrap());
-        let upload = |v: f32| HostRuntime::upload(&ctx, &TensorData::new(vec![v], [1])).unwrap();
+        let upload = |v: f32| HostRuntime::upload(&ctx, TensorData::new(vec![v], [1])).unwrap();
         let mut state = StreamState::<HostRuntime>::new(
             StreamId::current(),
             0,

@@ -444,8 +444,8 @@ impl StreamRuntime for HostRuntime {
         })
     }
 
-    fn upload(ctx: &HostContext, data: &TensorData) -> Result<HostHandle> {
-        let host = to_host_data(data)?;
+    fn upload(ctx: &HostContext, data: TensorData) -> Result<HostHandle> {
+        let host = to_host_data(&data)?;
         Ok(HostHandle {
             storage: HostStorage::new(host, &ctx.counters),
             written: Marker::done(),
