@@ -55,6 +55,21 @@ step() {
         "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY|^ratio| alone ' "$out/$name.log" | tr '\n' ' ')"
 }
 
+# Bench row $1 with each contender alone in its own process (ours with every default fuser,
+# ours with the elementwise fuser only, ours unfused, plain), 7 rounds each, with the
+# building/reading split; step names $2-<contender>, each capped at $3 seconds.
+alone() {
+    local row=$1 name=$2 cap=$3 who
+    for who in ours ours-elementwise unfused plain; do
+        (
+            [ "$who" = ours-elementwise ] && export FUSION_STREAMS_CUBE_FUSERS=elementwise
+            FUSION_STREAMS_BENCH_ONLY="$row" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
+                FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
+                step "$name-$who" timeout "$cap" ./gpu-bin/bench-backend --bench
+        )
+    done
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 case "$what" in
 tests)
@@ -138,28 +153,14 @@ attention)
     # fuser left out, each with the per-repetition split between building and reading. cubecl's
     # cold autotune of the fused matmul takes ~30 s of the untimed round: no cap under 90 s.
     for seq in 512 128; do
-        for who in ours ours-elementwise unfused plain; do
-            (
-                [ "$who" = ours-elementwise ] && export FUSION_STREAMS_CUBE_FUSERS=elementwise
-                FUSION_STREAMS_BENCH_ONLY="attention/$seq" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
-                    FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
-                    step "attention$seq-$who" timeout 180 ./gpu-bin/bench-backend --bench
-            )
-        done
+        alone "attention/$seq" "attention$seq" 180
     done
     ;;
 solo)
     # The rows furthest below plain (docs/BENCHMARKS.md, "Each contender alone, the rows furthest
     # below plain"): each contender alone in its own process, with the building/reading split.
     for row in attention/128 softmax/64; do
-        for who in ours ours-elementwise unfused plain; do
-            (
-                [ "$who" = ours-elementwise ] && export FUSION_STREAMS_CUBE_FUSERS=elementwise
-                FUSION_STREAMS_BENCH_ONLY="$row" FUSION_STREAMS_BENCH_SOLO="${who%-elementwise}" \
-                    FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 \
-                    step "solo-${row%/*}${row#*/}-$who" timeout 75 ./gpu-bin/bench-backend --bench
-            )
-        done
+        alone "$row" "solo-${row%/*}${row#*/}" 75
     done
     ;;
 host-profile)

@@ -245,25 +245,21 @@ impl<R: CubeRuntime, B> CubeFuser<R, B> {
     /// Add `node` to the trie as a longer prefix of node `at`'s; its index.
     pub(super) fn add(&mut self, at: usize, node: Node<R>) -> usize {
         let index = self.runs.len();
-        let hash = node.op.as_ref().map(op_hash);
         self.runs.push(node);
         self.runs[at].next.push(index);
-        if self.runs[at].next.len() > SCANNED_NEXT {
-            let hashes: SmallVec<[(u64, usize); SCANNED_NEXT]> =
-                if self.runs[at].next_by_hash.is_empty() {
-                    let next = &self.runs[at].next;
-                    next.iter()
-                        .map(|n| {
-                            (
-                                op_hash(self.runs[*n].op.as_ref().expect("below the root")),
-                                *n,
-                            )
-                        })
-                        .collect()
-                } else {
-                    SmallVec::from_slice(&[(hash.expect("below the root"), index)])
-                };
-            for (hash, next) in hashes {
+        let count = self.runs[at].next.len();
+        if count > SCANNED_NEXT {
+            // Past the scan limit every longer prefix is found by hash: all of them the first
+            // time, the new one after that.
+            let from = if count == SCANNED_NEXT + 1 {
+                0
+            } else {
+                count - 1
+            };
+            for position in from..count {
+                let next = self.runs[at].next[position];
+                let op = self.runs[next].op.as_ref().expect("a node below the root");
+                let hash = op_hash(op);
                 self.runs[at]
                     .next_by_hash
                     .entry(hash)
