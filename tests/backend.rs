@@ -8,7 +8,7 @@
 mod under_test;
 
 use burn_backend::Backend;
-use burn_tensor::activation::{gelu, relu, sigmoid, softmax};
+use burn_tensor::activation::{gelu, log_softmax, relu, sigmoid, softmax};
 use burn_tensor::module::{avg_pool2d, conv2d, max_pool2d, max_pool2d_with_indices};
 use burn_tensor::ops::ConvOptions;
 use burn_tensor::{
@@ -217,6 +217,10 @@ same_on_both! {
             relu(x.clone()).into_data(),
             gelu(x.clone()).into_data(),
             sigmoid(x.clone()).into_data(),
+            // On CUDA a softmax is one kernel of this crate's, whose row sums may be added in
+            // another order than burn's: `cuda_fusion::a_softmax_is_one_kernel_close_to_plain`
+            // checks it within a tolerance.
+            #[cfg(not(feature = "cuda"))]
             softmax(x, 1).into_data(),
         ]
     }
@@ -284,13 +288,30 @@ fn elementwise_ops_consume_their_operands_and_errors_still_travel() {
     );
 }
 
+/// The current thread's stream holds one pending operation: a custom one named `name`.
+#[cfg(not(feature = "cuda"))]
+fn only_pending_is_custom(
+    client: &fusion_streams::FusionClient<fusion_streams::backend::BackendRuntime<Plain>>,
+    name: &str,
+) {
+    use fusion_streams::Pending;
+    let pending = client
+        .streams()
+        .pending(burn_backend::StreamId::current())
+        .unwrap();
+    assert!(
+        matches!(&pending[..], [Pending::Operation(op)]
+            if matches!(&**op, burn_ir::OperationIr::Custom(c) if c.id == name)),
+        "{name}: {pending:?}"
+    );
+}
+
 /// On a backend without a fuser, ReLU is the backend's own, recorded as one operation: NdArray's
 /// clamp in place, bit for bit what plain NdArray computes (negative zero and NaN included),
 /// where burn's default would be a comparison and a masked fill.
 #[test]
 #[cfg(not(feature = "cuda"))]
 fn relu_is_the_backends_own_where_nothing_fuses() {
-    use fusion_streams::Pending;
     use fusion_streams::backend::StreamFusion;
 
     let device = Default::default();
@@ -299,15 +320,7 @@ fn relu_is_the_backends_own_where_nothing_fuses() {
     let x = Tensor::<Ours, 1>::from_data(values, &device);
     client.drain();
     let y = relu(x);
-    let pending = client
-        .streams()
-        .pending(burn_backend::StreamId::current())
-        .unwrap();
-    assert!(
-        matches!(&pending[..], [Pending::Operation(op)]
-            if matches!(&**op, burn_ir::OperationIr::Custom(c) if c.id == "relu")),
-        "{pending:?}"
-    );
+    only_pending_is_custom(&client, "relu");
     let ours = y.into_data().to_vec::<f32>().unwrap();
     let plain = relu(Tensor::<Plain, 1>::from_data(values, &device))
         .into_data()
@@ -315,6 +328,37 @@ fn relu_is_the_backends_own_where_nothing_fuses() {
         .unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&ours), bits(&plain));
+}
+
+/// On a backend without a fuser, a softmax and a log-softmax are the backend's own, each
+/// recorded as one operation (a custom operation named `softmax` or `log_softmax`: burn's
+/// defaults would be five and six), bit for bit what plain NdArray computes, along every axis.
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn softmax_is_the_backends_own_where_nothing_fuses() {
+    use fusion_streams::backend::StreamFusion;
+
+    let device = Default::default();
+    let client = StreamFusion::<Plain>::client(&device);
+    let values: Vec<f32> = (0..60)
+        .map(|i| ((i * 7 % 23) as f32 - 11.0) / 3.0)
+        .collect();
+    let data = TensorData::new(values, [3, 4, 5]);
+    type Activation<B> = fn(Tensor<B, 3>, usize) -> Tensor<B, 3>;
+    let both: [(&str, Activation<Ours>, Activation<Plain>); 2] = [
+        ("softmax", softmax, softmax),
+        ("log_softmax", log_softmax, log_softmax),
+    ];
+    for (name, ours, plain) in both {
+        for dim in 0..3 {
+            let x = Tensor::<Ours, 3>::from_data(data.clone(), &device);
+            client.drain();
+            let y = ours(x, dim);
+            only_pending_is_custom(&client, name);
+            let want = plain(Tensor::<Plain, 3>::from_data(data.clone(), &device), dim);
+            assert_eq!(y.into_data(), want.into_data(), "{name} along axis {dim}");
+        }
+    }
 }
 
 /// burn's blocked LU at the size its suite checks on CUDA (3 x 300 x 500, seeded input):
@@ -621,9 +665,19 @@ mod cuda_fusion {
     }
 
     /// The largest difference between two results, relative to the larger magnitude (or to 1
-    /// below 1), and how many elements agree bit for bit.
+    /// below 1), and how many elements agree bit for bit (see [`difference`]).
     pub(super) fn compare(a: &TensorData, b: &TensorData) -> (f32, usize) {
-        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        difference(a, b, 1.0)
+    }
+
+    /// The largest difference between two results read as `f32`, relative to the larger
+    /// magnitude or to `floor` below it (equal infinities agree; NaN only where both are NaN),
+    /// and how many elements agree bit for bit.
+    fn difference(a: &TensorData, b: &TensorData, floor: f32) -> (f32, usize) {
+        let (a, b) = (
+            a.clone().convert::<f32>().to_vec::<f32>().unwrap(),
+            b.clone().convert::<f32>().to_vec::<f32>().unwrap(),
+        );
         assert_eq!(a.len(), b.len());
         let same = a
             .iter()
@@ -633,7 +687,12 @@ mod cuda_fusion {
         let worst = a
             .iter()
             .zip(&b)
-            .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1.0))
+            .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
+                (true, true) => 0.0,
+                (false, false) if x == y => 0.0,
+                (false, false) => (x - y).abs() / x.abs().max(y.abs()).max(floor),
+                _ => f32::INFINITY,
+            })
             .fold(0.0f32, f32::max);
         (worst, same)
     }
@@ -906,6 +965,139 @@ mod cuda_fusion {
         let want = halvings(x).exp().into_data();
         assert_eq!(got, want, "unfused StreamFusion is CubeBackend bit for bit");
     }
+
+    /// `[rows, n]` values with runs of large and small ones, rows of different ranges.
+    fn scores<B: Backend>(shape: [usize; 2], device: &B::Device) -> Tensor<B, 2> {
+        let [rows, n] = shape;
+        let v: Vec<f32> = (0..rows * n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / (4.0 + (i / n % 7) as f32))
+            .collect();
+        Tensor::from_data(TensorData::new(v, [rows, n]), device)
+    }
+
+    /// The softmaxes the kernel is checked on, each as a program over a generic backend: row
+    /// lengths below, at and far above a plane's 32 units (a plane per row, and a cube per row),
+    /// every axis of a 3-D tensor, strided inputs (a transposed view, a broadcast one), masked
+    /// scores as attention makes them, an input read again afterwards (not written in place),
+    /// more rows than one launch has cubes (each cube takes several), log-softmaxes, and `f16`
+    /// (`reference`: computed in `f32` from the same `f16` values, then rounded to `f16`).
+    fn softmax_cases<B: Backend>(device: &B::Device, reference: bool) -> Vec<(String, TensorData)> {
+        let mut cases = Vec::new();
+        let mut push = |label: &str, data: TensorData| cases.push((label.to_string(), data));
+        let rows = [
+            ([64, 512], 1),
+            ([4096, 512], 1),
+            ([3, 7], 0),
+            ([3, 7], 1),
+            ([1, 1], 1),
+            ([6, 9000], 1),
+            ([600_000, 3], 1),
+        ];
+        for (shape, dim) in rows {
+            let x = scores::<B>(shape, device);
+            push(
+                &format!("{shape:?} axis {dim}"),
+                softmax(x, dim).into_data(),
+            );
+        }
+        for dim in 0..3 {
+            let x = scores::<B>([10, 330], device).reshape([2, 5, 330]);
+            push(
+                &format!("[2, 5, 330] axis {dim}"),
+                softmax(x, dim).into_data(),
+            );
+        }
+        let t = scores::<B>([64, 100], device).swap_dims(0, 1);
+        push("transposed [100, 64] axis 1", softmax(t, 1).into_data());
+        let b = scores::<B>([1, 300], device).expand([40, 300]);
+        push("broadcast [40, 300] axis 1", softmax(b, 1).into_data());
+        let x = scores::<B>([128, 128], device);
+        let future = Tensor::<B, 1, Int>::arange(0..128, device)
+            .reshape([1, 128])
+            .greater(Tensor::<B, 1, Int>::arange(0..128, device).reshape([128, 1]));
+        let masked = x.clone().mask_fill(future.clone(), -1.0e9);
+        push(
+            "masked [128, 128] axis 1",
+            softmax(masked.clone(), 1).into_data(),
+        );
+        push(
+            "log masked [128, 128] axis 1",
+            log_softmax(masked, 1).into_data(),
+        );
+        let infinite = x.mask_fill(future, f32::NEG_INFINITY);
+        push(
+            "-inf masked [128, 128] axis 1",
+            softmax(infinite, 1).into_data(),
+        );
+        let kept = scores::<B>([32, 200], device);
+        push(
+            "kept input [32, 200], the softmax",
+            softmax(kept.clone(), 1).into_data(),
+        );
+        push("kept input [32, 200], the input after", kept.into_data());
+        for (shape, dim) in [([64, 512], 1), ([3, 7], 0), ([6, 9000], 1)] {
+            let x = scores::<B>(shape, device);
+            push(
+                &format!("log {shape:?} axis {dim}"),
+                log_softmax(x, dim).into_data(),
+            );
+        }
+        let half = scores::<B>([64, 700], device).cast(burn_tensor::DType::F16);
+        let half = match reference {
+            true => softmax(half.cast(burn_tensor::DType::F32), 1).cast(burn_tensor::DType::F16),
+            false => softmax(half, 1),
+        };
+        push("f16 [64, 700] axis 1", half.into_data());
+        cases
+    }
+
+    /// A softmax on a fusing stream is one operation (this crate's kernel), within a relative
+    /// 1e-5 of plain `CubeBackend`'s five kernels in `f32` (the row sums are added in another
+    /// order; every other step computes the same values); a log-softmax too, within 1e-5 of
+    /// plain's six (absolute below magnitude 1). In `f16` the kernel computes in `f32`
+    /// and rounds once, where plain rounds every step to `f16` (`x - max` alone can be off by
+    /// 0.008, 0.8% after `exp`): it is checked against plain's softmax of the same values in
+    /// `f32`, rounded to `f16`, within one `f16` unit in the last place (relative 2^-10, below
+    /// `f16`'s smallest normal magnitude absolute).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
+    fn a_softmax_is_one_kernel_close_to_plain() {
+        let device = Default::default();
+        let client = Ours::client(&device);
+        let x = scores::<Ours>([8, 64], &device);
+        client.drain();
+        // A fusing stream dispatches an operation no fuser takes as soon as it is recorded, so
+        // the engine's count tells (one test at a time: the count is the engine's).
+        let before = client.stats().ops_registered;
+        let y = softmax(x.clone(), 1);
+        assert_eq!(client.stats().ops_registered - before, 1, "one operation");
+        let before = client.stats().ops_registered;
+        let z = log_softmax(x, 1);
+        assert_eq!(client.stats().ops_registered - before, 1, "one operation");
+        drop((y, z));
+
+        let ours = softmax_cases::<Ours>(&device, false);
+        let plain = softmax_cases::<Plain>(&device, true);
+        assert_eq!(ours.len(), plain.len());
+        for ((what, ours), (_, plain)) in ours.iter().zip(&plain) {
+            // A log-softmax near 0 is `x - max` minus a logarithm near 0, whose absolute
+            // error is the sum's relative one: compared absolutely below magnitude 1.
+            let (tolerance, floor) = match what.split(' ').next() {
+                Some("f16") => (1.0 / 1024.0, 6.2e-5),
+                Some("log") => (1e-5, 1.0),
+                _ => (1e-5, 1e-30),
+            };
+            let (worst, same) = difference(ours, plain, floor);
+            println!(
+                "softmax {what}: {same}/{} bit for bit, worst relative {worst:e}",
+                plain.num_elements()
+            );
+            assert!(
+                worst <= tolerance,
+                "{what}: worst relative difference {worst:e}"
+            );
+        }
+    }
 }
 
 /// Reduce fusion (opt-in: `FUSION_STREAMS_CUBE_FUSERS`, or `cube_fuser_with`). These tests use
@@ -917,7 +1109,9 @@ mod cuda_reduce_fusion {
     use super::*;
     use burn_cubecl::CubeBackend;
     use cubecl::cuda::CudaRuntime;
-    use fusion_streams::backend::{StreamFusion, cube_fuser_with, register_fuser};
+    use fusion_streams::backend::{
+        StreamFusion, cube_fuser_with, register_fuser, register_softmax,
+    };
 
     type Wide = CubeBackend<CudaRuntime, f32, i32, u32>;
     type WideOurs = StreamFusion<Wide>;
@@ -927,7 +1121,9 @@ mod cuda_reduce_fusion {
     fn all_fusers() -> fusion_streams::FusionClient<fusion_streams::backend::BackendRuntime<Wide>> {
         static REGISTER: std::sync::Once = std::sync::Once::new();
         REGISTER.call_once(|| {
-            register_fuser::<Wide>(|device| cube_fuser_with(device, "all").expect("known names"))
+            register_fuser::<Wide>(|device| cube_fuser_with(device, "all").expect("known names"));
+            // A softmax as burn's five operations, for the reduce fusers.
+            register_softmax::<Wide>(None);
         });
         WideOurs::client(&Default::default())
     }

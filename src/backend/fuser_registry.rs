@@ -1,17 +1,20 @@
-//! Which backends fuse under [`super::StreamFusion`]: a registry of fuser factories by backend
-//! type.
+//! Which backends fuse under [`super::StreamFusion`], and how: registries of fuser factories and
+//! of fused softmax kernels, by backend type.
 //!
 //! `StreamFusion<B>` works for any [`BackendIr`](burn_ir::BackendIr) backend, and most of them have no fuser; the
 //! ones that do are found here by type when a stream is created. With the `cuda` feature,
 //! `CubeBackend<CudaRuntime, f32, i32, u8>` (and `.., u32>`) fuse through burn-cubecl-fusion's
-//! fusers (see [`cube_fuser`](super::cube_fuser)); [`register_fuser`] adds another backend, for
-//! instance a `CubeBackend` over another cubecl runtime.
+//! fusers (see [`cube_fuser`](super::cube_fuser)), and run a softmax as one kernel
+//! ([`cube_softmax`](super::cube_softmax)); [`register_fuser`] and [`register_softmax`] add
+//! another backend, for instance a `CubeBackend` over another cubecl runtime.
 
 use std::any::{Any, TypeId};
 use std::sync::{Arc, OnceLock};
 
 use hashbrown::HashMap;
 use parking_lot::RwLock;
+
+use burn_backend::tensor::FloatTensor;
 
 use super::BackendRuntime;
 use super::IrBackend;
@@ -34,6 +37,97 @@ fn registry() -> &'static RwLock<HashMap<TypeId, Make>> {
         }
         registry
     })
+}
+
+/// What a [`SoftmaxKernel`] computes along its axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SoftmaxKind {
+    /// `exp(x - max) / sum(exp(x - max))`: burn's `softmax`.
+    Softmax,
+    /// `(x - max) - ln(sum(exp(x - max)))`: burn's `log_softmax`.
+    LogSoftmax,
+}
+
+impl SoftmaxKind {
+    /// burn's name of the operation: `softmax` or `log_softmax`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SoftmaxKind::Softmax => "softmax",
+            SoftmaxKind::LogSoftmax => "log_softmax",
+        }
+    }
+}
+
+/// A softmax kernel of backend `B`: the tensor, the axis, what to compute; the result.
+pub type SoftmaxKernel<B> = fn(FloatTensor<B>, usize, SoftmaxKind) -> FloatTensor<B>;
+
+/// The softmax kernels, each a [`SoftmaxKernel<B>`] behind `Any`, by `TypeId::of::<B>()`.
+fn softmax_registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> =
+        OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        #[allow(unused_mut)]
+        let mut registry: HashMap<TypeId, Box<dyn Any + Send + Sync>> = HashMap::new();
+        #[cfg(feature = "cuda")]
+        {
+            use burn_cubecl::CubeBackend;
+            use cubecl::cuda::CudaRuntime;
+            type Narrow = CubeBackend<CudaRuntime, f32, i32, u8>;
+            type Wide = CubeBackend<CudaRuntime, f32, i32, u32>;
+            let narrow: SoftmaxKernel<Narrow> = super::cube_softmax::<CudaRuntime, f32, i32, u8>;
+            let wide: SoftmaxKernel<Wide> = super::cube_softmax::<CudaRuntime, f32, i32, u32>;
+            registry.insert(TypeId::of::<Narrow>(), Box::new(narrow));
+            registry.insert(TypeId::of::<Wide>(), Box::new(wide));
+        }
+        RwLock::new(registry)
+    })
+}
+
+/// Make `StreamFusion<B>`'s fusing streams run burn's `softmax` and `log_softmax` as one
+/// operation calling `kernel`, for the engines opened after this call; `None` takes a registered
+/// kernel back, so that they are recorded as burn's operations (five for a softmax) and offered
+/// to the fusers. Where streams do not fuse (no fuser, or fusion off), each is always one
+/// operation calling the backend's own `softmax` or `log_softmax`. With the `cuda` feature, the
+/// CUDA `CubeBackend`s come registered with `cube_softmax`; with the `cuda` feature,
+/// `register_softmax::<CubeBackend<CudaRuntime, f32, i32, u8>>(None)` gives that backend's
+/// reduce fusers burn's operations instead (`FUSION_STREAMS_CUBE_FUSERS`).
+///
+/// A kernel is a plain function of the backend's tensors; registering one for a backend whose
+/// streams do not fuse changes nothing (NdArray's here, so this only shows the shape):
+///
+/// ```
+/// use burn_backend::ops::ActivationOps;
+/// use burn_backend::tensor::FloatTensor;
+/// use burn_ndarray::NdArray;
+/// use fusion_streams::backend::{SoftmaxKind, register_softmax};
+///
+/// type B = NdArray<f32>;
+///
+/// fn softmax(x: FloatTensor<B>, dim: usize, kind: SoftmaxKind) -> FloatTensor<B> {
+///     match kind {
+///         SoftmaxKind::Softmax => B::softmax(x, dim),
+///         SoftmaxKind::LogSoftmax => B::log_softmax(x, dim),
+///     }
+/// }
+///
+/// register_softmax::<B>(Some(softmax));
+/// register_softmax::<B>(None);
+/// ```
+pub fn register_softmax<B: IrBackend>(kernel: Option<SoftmaxKernel<B>>) {
+    let mut registry = softmax_registry().write();
+    match kernel {
+        Some(kernel) => registry.insert(TypeId::of::<B>(), Box::new(kernel)),
+        None => registry.remove(&TypeId::of::<B>()),
+    };
+}
+
+/// The softmax kernel registered for `B`, if any.
+pub(crate) fn softmax_for<B: IrBackend>() -> Option<SoftmaxKernel<B>> {
+    softmax_registry()
+        .read()
+        .get(&TypeId::of::<B>())?
+        .downcast_ref::<SoftmaxKernel<B>>()
+        .copied()
 }
 
 fn insert<B: IrBackend>(

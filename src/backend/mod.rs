@@ -68,11 +68,13 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 #[cfg(feature = "cuda")]
+pub use cube::softmax as cube_softmax;
+#[cfg(feature = "cuda")]
 pub use cube::{
     CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV,
     MIN_ELEMENTWISE_OPS_ENV, cube_fuser, cube_fuser_with,
 };
-pub use fuser_registry::register_fuser;
+pub use fuser_registry::{SoftmaxKernel, SoftmaxKind, register_fuser, register_softmax};
 pub use publication_routes::{BackendEvent, BackendSource};
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};
@@ -320,13 +322,20 @@ impl<B: IrBackend> burn_backend::ops::TransactionOps<Self> for StreamFusion<B> {
 /// `benches/per_op.rs ours|plain N mlp`). So ReLU records the backend's own `relu` as one
 /// operation on a backend without a fuser (recorded as a custom operation named `relu`: burn's
 /// IR has no ReLU), and the comparison and fill where the device's streams fuse (a fuser is
-/// registered and fusion is on), as burn-fusion does. The other activations keep burn's
-/// defaults: no backend this crate runs on implements them its own way.
+/// registered and fusion is on), as burn-fusion does.
+///
+/// Softmax is a reduction, a broadcast, another reduction and another broadcast (burn's default:
+/// five operations; log-softmax six), which no default fuser takes as one kernel. Where the
+/// device's streams fuse and a softmax kernel is registered for the backend
+/// ([`register_softmax`]; the CUDA `CubeBackend`s come with `cube_softmax`), each is one
+/// operation running that kernel; where they fuse and none is, burn's operations, for the
+/// fusers; elsewhere one operation running the backend's own `softmax` or `log_softmax`. Each is
+/// recorded as a custom operation named `softmax` or `log_softmax`. The other activations keep
+/// burn's defaults: no backend this crate runs on implements them its own way.
 impl<B: IrBackend> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {
     fn relu(tensor: record::Tensor<B>) -> record::Tensor<B> {
         use burn_backend::ops::FloatTensorOps;
-        let client = tensor.client();
-        if client.context().has_fuser() && client.streams().fusion_on() {
+        if fusing(&tensor) {
             let device = device_of(&tensor);
             let bool_dtype = burn_backend::get_device_settings::<Self>(&device).bool_dtype;
             let at_most_zero =
@@ -337,13 +346,7 @@ impl<B: IrBackend> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {
             "relu",
             tensor,
             None,
-            |ir| {
-                burn_ir::OperationIr::Custom(burn_ir::CustomOpIr {
-                    id: "relu".into(),
-                    inputs: vec![ir.input.clone()],
-                    outputs: vec![ir.out.clone()],
-                })
-            },
+            |ir| custom("relu", &ir.input, &ir.out),
             |ir, h| {
                 use record::Take as _;
                 let x = h.take_float::<B>(&ir.input);
@@ -351,6 +354,99 @@ impl<B: IrBackend> burn_backend::ops::ActivationOps<Self> for StreamFusion<B> {
             },
         )
     }
+
+    fn softmax(tensor: record::Tensor<B>, dim: usize) -> record::Tensor<B> {
+        softmax_op(tensor, dim, SoftmaxKind::Softmax)
+    }
+
+    fn log_softmax(tensor: record::Tensor<B>, dim: usize) -> record::Tensor<B> {
+        softmax_op(tensor, dim, SoftmaxKind::LogSoftmax)
+    }
+}
+
+/// A softmax or log-softmax (see `ActivationOps` above): one operation running the registered
+/// kernel, or burn's operations for the fusers, or one operation running the backend's own.
+fn softmax_op<B: IrBackend>(
+    tensor: record::Tensor<B>,
+    dim: usize,
+    kind: SoftmaxKind,
+) -> record::Tensor<B> {
+    use burn_backend::ops::FloatTensorOps;
+    type S<B> = StreamFusion<B>;
+    let kernel: SoftmaxKernel<B> = if fusing(&tensor) {
+        match tensor.client().context().softmax_kernel() {
+            Some(kernel) => kernel,
+            None => {
+                // burn's defaults, for the fusers.
+                let max = S::<B>::float_max_dim(tensor.clone(), dim);
+                let shifted = S::<B>::float_sub(tensor, max);
+                return match kind {
+                    SoftmaxKind::Softmax => {
+                        let exp = S::<B>::float_exp(shifted);
+                        let sum = S::<B>::float_sum_dim(exp.clone(), dim);
+                        S::<B>::float_div(exp, sum)
+                    }
+                    SoftmaxKind::LogSoftmax => {
+                        let exp = S::<B>::float_exp(shifted.clone());
+                        let log_sum = S::<B>::float_log(S::<B>::float_sum_dim(exp, dim));
+                        S::<B>::float_sub(shifted, log_sum)
+                    }
+                };
+            }
+        }
+    } else {
+        backend_softmax::<B>
+    };
+    /// The operation's IR, what it computes, and the kernel it runs.
+    struct Softmax<B: IrBackend> {
+        ir: burn_ir::DimOpIr,
+        kind: SoftmaxKind,
+        kernel: SoftmaxKernel<B>,
+    }
+    record::record_one(
+        kind.name(),
+        [tensor],
+        |[x], id| Softmax::<B> {
+            ir: burn_ir::DimOpIr::create(x, dim, id),
+            kind,
+            kernel,
+        },
+        |op| custom(op.kind.name(), &op.ir.input, &op.ir.out),
+        |op, h| {
+            use record::Take as _;
+            let x = h.take_float::<B>(&op.ir.input);
+            let out = (op.kernel)(x, op.ir.axis, op.kind);
+            h.register_float_tensor::<B>(&op.ir.out.id, out);
+        },
+    )
+}
+
+/// The backend's own softmax or log-softmax.
+fn backend_softmax<B: IrBackend>(
+    tensor: burn_backend::tensor::FloatTensor<B>,
+    dim: usize,
+    kind: SoftmaxKind,
+) -> burn_backend::tensor::FloatTensor<B> {
+    match kind {
+        SoftmaxKind::Softmax => B::softmax(tensor, dim),
+        SoftmaxKind::LogSoftmax => B::log_softmax(tensor, dim),
+    }
+}
+
+/// Whether `tensor`'s stream fuses: a fuser is registered for its device and fusion is on.
+fn fusing<B: IrBackend>(tensor: &record::Tensor<B>) -> bool {
+    let client = tensor.client();
+    client.context().has_fuser() && client.streams().fusion_on()
+}
+
+/// A custom operation named `name`, of one input and one output (burn's IR has no such
+/// operation).
+fn custom(name: &str, input: &burn_ir::TensorIr, out: &burn_ir::TensorIr) -> burn_ir::OperationIr {
+    burn_ir::OperationIr::Custom(burn_ir::CustomOpIr {
+        id: name.into(),
+        inputs: vec![input.clone()],
+        outputs: vec![out.clone()],
+    })
 }
 
 /// Quantized tensors carry their scheme in their dtype; the default scheme is the wrapped

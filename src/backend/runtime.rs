@@ -56,6 +56,9 @@ pub struct BackendContext<B: IrBackend> {
     /// Whether a fuser was registered for `B` when the device was opened (read once: recording
     /// asks it per operation, see `ActivationOps::relu`).
     has_fuser: bool,
+    /// The softmax kernel registered for `B` when the device was opened (see
+    /// [`register_softmax`](super::register_softmax)).
+    softmax: Option<super::fuser_registry::SoftmaxKernel<B>>,
     // Dropped before the retirement queue: each transfer thread finishes its jobs and exits,
     // and the CUDA route's waiters and copy streams finish, first, so no record is released
     // while a copy may still use it.
@@ -75,6 +78,12 @@ impl<B: IrBackend> BackendContext<B> {
     /// opened; streams fuse while [`EngineConfig::fusion`](crate::EngineConfig::fusion) is on).
     pub fn has_fuser(&self) -> bool {
         self.has_fuser
+    }
+
+    /// The softmax kernel of this device's fusing streams, if one was registered for `B` when
+    /// the device was opened ([`register_softmax`](super::register_softmax)).
+    pub fn softmax_kernel(&self) -> Option<super::fuser_registry::SoftmaxKernel<B>> {
+        self.softmax
     }
 
     /// The retirement queue of dropped transfers.
@@ -226,6 +235,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
             device: device.clone(),
             rules: rules_for::<B>(device),
             has_fuser: super::fuser_registry::has_fuser::<B>(),
+            softmax: super::fuser_registry::softmax_for::<B>(),
             transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
             #[cfg(feature = "cuda")]
             cuda: super::cuda::CudaRoute::for_backend::<B>(device),

@@ -15,6 +15,8 @@ pub type CubeStreamFuser<R, F, I, BT> = Box<dyn Fuser<BackendRuntime<CubeBackend
 /// The reduce fusers are opt-in: on the benchmark's softmax and layer norm they do not win
 /// measurably on the H200 (see docs/BENCHMARKS.md, "Reduce fusion (opt-in)"). The runs
 /// burn-cubecl-fusion 0.21 launches them wrongly on are never theirs (`policy::first_block`).
+/// A softmax is one kernel of this crate's on these streams, so the reduce fusers see one only
+/// where that kernel is unregistered ([`register_softmax`](crate::backend::register_softmax)).
 pub const FUSERS_ENV: &str = "FUSION_STREAMS_CUBE_FUSERS";
 
 /// The environment variable that sets how many times a run cut by its own thread's drain (a

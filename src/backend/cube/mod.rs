@@ -11,6 +11,12 @@
 //! it, and the softmax-like chains of reductions and broadcasts) are enabled by naming them in
 //! [`FUSERS_ENV`] — see its docs for why they are not on by default.
 //!
+//! **Softmax.** burn's `softmax` and `log_softmax` are backend operations; on a fusing stream of
+//! these backends each is recorded as one operation running this crate's kernel ([`softmax`]),
+//! not as burn's five or six (two reductions and two broadcasts, which no default fuser takes
+//! and burn-cubecl-fusion's broadcasted reduce fuser launches as three kernels). See `StreamFusion`'s `ActivationOps` and
+//! [`register_softmax`](crate::backend::register_softmax).
+//!
 //! **Fallbacks.** A matmul or reduce kernel may run its matmul or reduction unfused instead (when
 //! its fused kernel does not apply, or while autotune measures both). That fallback is the
 //! backend's own operation (`float_matmul`, `float_sum_dim`, ..) on the run's handles, exactly
@@ -77,6 +83,7 @@ mod kernel;
 mod planner;
 mod policy;
 mod relative;
+mod softmax;
 #[cfg(test)]
 mod tests;
 
@@ -117,3 +124,4 @@ use kernel::*;
 use planner::*;
 use policy::*;
 use relative::*;
+pub use softmax::softmax;
