@@ -88,7 +88,7 @@ fn softmax_registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sy
 /// kernel back, so that they are recorded as burn's operations (five for a softmax) and offered
 /// to the fusers. Where streams do not fuse (no fuser, or fusion off), each is always one
 /// operation calling the backend's own `softmax` or `log_softmax`. With the `cuda` feature, the
-/// CUDA `CubeBackend`s come registered with `cube_softmax`; with the `cuda` feature,
+/// CUDA `CubeBackend`s come registered with `cube_softmax`, and
 /// `register_softmax::<CubeBackend<CudaRuntime, f32, i32, u8>>(None)` gives that backend's
 /// reduce fusers burn's operations instead (`FUSION_STREAMS_CUBE_FUSERS`).
 ///

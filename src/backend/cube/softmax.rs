@@ -67,8 +67,11 @@ fn plane_size<R: CubeRuntime>(tensor: &CubeTensor<R>) -> Option<u32> {
     (properties.features.plane.contains(Plane::Ops)
         && hardware.plane_size_min == hardware.plane_size_max
         && hardware.plane_size_max > 0
-        && hardware.plane_size_max * PLANES <= hardware.max_units_per_cube)
-        .then_some(hardware.plane_size_max)
+        && hardware
+            .plane_size_max
+            .checked_mul(PLANES)
+            .is_some_and(|units| units <= hardware.max_units_per_cube))
+    .then_some(hardware.plane_size_max)
 }
 
 /// Launch the kernel: in place when `tensor` is contiguous and nothing else holds its buffer.
