@@ -5,9 +5,14 @@
 # also the N functions whose instructions per op grew most from plain to ours.
 #
 # It also prints how much of that difference lies in the backend's own kernels (ndarray,
-# macerator, libm): the same kernels over the same values, which run longer when the heap puts
-# the chain's buffer off a 32-byte boundary (their SIMD loops then take a scalar head and tail).
-# Which way that falls depends on every allocation before it, so it is reported apart.
+# macerator, libm): the same kernels over the same values. It was up to ~80 when the heap put
+# the chain's buffer on a 32-byte boundary on one side only (their SIMD loops then take a scalar
+# head and tail); the bench now gives both sides 64-byte-aligned large buffers, so it should be
+# ~0, and a figure far from it says the two sides no longer run the same kernels.
+#
+# Then the same for the small MLP forward of benches/backend.rs (batch 32, 64 -> 128 -> 16, one
+# read each, one rayon thread): the engine's instructions per forward, over 100 more forwards,
+# and plain's instructions over ours (the MLP's ratio as an instruction count, without noise).
 #
 #   scripts/per-op-cost.sh [--top N]
 set -euo pipefail
@@ -18,8 +23,8 @@ bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)
 [ -x "$bin" ] || { echo "per-op-cost: could not build benches/per_op.rs" >&2; exit 1; }
 dir=$(mktemp -d)
-count() { # who chains -> instructions
-  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2" "$bin" "$1" "$2" 2>&1 |
+count() { # who chains [mlp] -> instructions
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2${3:+.$3}" "$bin" "$1" "$2" ${3:-} 2>&1 |
     sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
 }
 declare -A ir
@@ -53,4 +58,11 @@ print(f"  of which in the backend's own kernels (buffer alignment, see the scrip
 for k, v in sorted(grown.items(), key=lambda kv: -kv[1])[:top]:
     print(f"{v:8.1f}  {k[:150]}")
 PY
+# One rayon thread: NdArray's matmul otherwise spins worker threads for a count that varies.
+export RAYON_NUM_THREADS=1
+for who in ours plain; do for n in 20 120; do ir[$who.mlp.$n]=$(count "$who" "$n" mlp); done; done
+mlp() { echo $(( (ir[$1.mlp.120] - ir[$1.mlp.20]) / 100 )); }
+ours_mlp=$(mlp ours) plain_mlp=$(mlp plain)
+echo "instructions per MLP forward: ours $ours_mlp, plain NdArray $plain_mlp, the engine's own" \
+  "$((ours_mlp - plain_mlp)); plain/ours $(python3 -c "print(f'{$plain_mlp / $ours_mlp:.3f}')")"
 rm -rf "$dir"
