@@ -10,7 +10,7 @@ use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
 use super::record::Tensor;
-use super::record::record_one;
+use super::record::{record_one, record_out};
 
 impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
     data_ops!(
@@ -103,7 +103,7 @@ impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        record_one(
+        record_out(
             "float_argtopk",
             [tensor],
             |[tensor], id| ReduceDimOpIr::create_arg(tensor, dim, k, out_dtype.into(), id),
@@ -117,7 +117,7 @@ impl<B: IrBackend> FloatTensorOps<Self> for StreamFusion<B> {
     }
 
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        record_one(
+        record_out(
             "float_matmul",
             [lhs, rhs],
             |[lhs, rhs], id| MatmulOpIr::create(lhs, rhs, id),

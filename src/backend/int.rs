@@ -10,13 +10,13 @@ use super::StreamFusion;
 use super::macros::*;
 use super::record::Take as _;
 use super::record::Tensor;
-use super::record::record_one;
+use super::record::record_out;
 
 /// `int_argmax`/`int_argmin`/`int_argtopk`: an int result of the input's dtype.
 macro_rules! int_arg_ops {
     ($($f:ident: $v:ident),* $(,)?) => {$(
         fn $f(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-            record_one(stringify!($f),
+            record_out(stringify!($f),
                 [tensor],
                 |[tensor], id| ReduceDimOpIr::create(tensor, dim, 1, id),
                 |ir| wrap!(NumericInt, $v, ir.input.dtype, ir),
@@ -48,7 +48,7 @@ impl<B: IrBackend> IntTensorOps<Self> for StreamFusion<B> {
     );
 
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        record_one(
+        record_out(
             "int_matmul",
             [lhs, rhs],
             |[lhs, rhs], id| MatmulOpIr::create(lhs, rhs, id),
@@ -61,7 +61,7 @@ impl<B: IrBackend> IntTensorOps<Self> for StreamFusion<B> {
     }
 
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        record_one(
+        record_out(
             "int_argtopk",
             [tensor],
             |[tensor], id| ReduceDimOpIr::create(tensor, dim, k, id),

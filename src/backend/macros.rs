@@ -35,7 +35,7 @@ macro_rules! wrap {
 }
 
 /// The skeleton every family below fills in: `fn $f(params) -> tensor`, recorded by
-/// `record::$how` (`unary`, `binary`, `scalar` or `record_one`) with `$args`, then the
+/// `record::$how` (`unary`, `binary`, `scalar`, `record_out` or `record_one`) with `$args`, then the
 /// operation's `OperationIr` (`$fam::$v`, with the dtype of the IR's `$dtype` field, as burn
 /// records it) and its run: the operands it takes from the handles, then the backend call whose
 /// result `$put` registers as the output.
@@ -124,7 +124,7 @@ macro_rules! reduce_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         op! {
             fn $f(tensor: Tensor<B>) =
-                record_one([tensor], |[x], id| burn_ir::ReduceOpIr::create(x, id));
+                record_out([tensor], |[x], id| burn_ir::ReduceOpIr::create(x, id));
             repr: $fam::$v(dtype of out);
             run: |ir, h| [x = $get(input)] => $put(B::$f(x)),
         }
@@ -136,7 +136,7 @@ macro_rules! reduce_dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         op! {
             fn $f(tensor: Tensor<B>, dim: usize) =
-                record_one([tensor], |[x], id| burn_ir::ReduceDimOpIr::create(x, dim, 1, id));
+                record_out([tensor], |[x], id| burn_ir::ReduceDimOpIr::create(x, dim, 1, id));
             repr: $fam::$v(dtype of out);
             run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.axis)),
         }
@@ -149,7 +149,7 @@ macro_rules! arg_reduce_ops {
     ($get:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         op! {
             fn $f(tensor: Tensor<B>, dim: usize, out_dtype: burn_backend::IntDType) =
-                record_one([tensor], |[x], id| {
+                record_out([tensor], |[x], id| {
                     burn_ir::ReduceDimOpIr::create_arg(x, dim, 1, out_dtype.into(), id)
                 });
             repr: $fam::$v(dtype of input);
@@ -164,7 +164,7 @@ macro_rules! dim_ops {
     ($get:ident, $put:ident; $($f:ident: $fam:ident::$v:ident),* $(,)?) => {$(
         op! {
             fn $f(tensor: Tensor<B>, dim: usize) =
-                record_one([tensor], |[x], id| burn_ir::DimOpIr::create(x, dim, id));
+                record_out([tensor], |[x], id| burn_ir::DimOpIr::create(x, dim, id));
             repr: $fam::$v(dtype of out);
             run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.axis)),
         }
@@ -181,43 +181,43 @@ macro_rules! base_ops {
     )*};
     (@reshape $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, shape: burn_backend::Shape) =
-            record_one([tensor], |[x], id| burn_ir::ShapeOpIr::reshape(x, shape, id));
+            record_out([tensor], |[x], id| burn_ir::ShapeOpIr::reshape(x, shape, id));
         repr: $fam::Reshape(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.out.shape.clone())),
     } };
     (@expand $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, shape: burn_backend::Shape) =
-            record_one([tensor], |[x], id| burn_ir::ShapeOpIr::expand(x, shape, id));
+            record_out([tensor], |[x], id| burn_ir::ShapeOpIr::expand(x, shape, id));
         repr: $fam::Expand(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.out.shape.clone())),
     } };
     (@swap_dims $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, dim1: usize, dim2: usize) =
-            record_one([tensor], |[x], id| burn_ir::SwapDimsOpIr::create(x, dim1, dim2, id));
+            record_out([tensor], |[x], id| burn_ir::SwapDimsOpIr::create(x, dim1, dim2, id));
         repr: $fam::SwapDims(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.dim1, ir.dim2)),
     } };
     (@permute $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, axes: &[usize]) =
-            record_one([tensor], |[x], id| burn_ir::PermuteOpIr::create(x, axes.to_vec(), id));
+            record_out([tensor], |[x], id| burn_ir::PermuteOpIr::create(x, axes.to_vec(), id));
         repr: $fam::Permute(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, &ir.axes)),
     } };
     (@flip $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, axes: &[usize]) =
-            record_one([tensor], |[x], id| burn_ir::FlipOpIr::create(x, axes.to_vec(), id));
+            record_out([tensor], |[x], id| burn_ir::FlipOpIr::create(x, axes.to_vec(), id));
         repr: $fam::Flip(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, &ir.axes)),
     } };
     (@unfold $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, dim: usize, size: usize, step: usize) =
-            record_one([tensor], |[x], id| burn_ir::UnfoldOpIr::create(x, dim, size, step, id));
+            record_out([tensor], |[x], id| burn_ir::UnfoldOpIr::create(x, dim, size, step, id));
         repr: $fam::Unfold(dtype of out);
         run: |ir, h| [x = $get(input)] => $put(B::$f(x, ir.dim, ir.size, ir.step)),
     } };
     (@slice $f:ident, $get:ident, $put:ident, $fam:ident) => { op! {
         fn $f(tensor: Tensor<B>, slices: &[burn_backend::Slice]) =
-            record_one([tensor], |[x], id| burn_ir::SliceOpIr::create(x, slices.to_vec(), id));
+            record_out([tensor], |[x], id| burn_ir::SliceOpIr::create(x, slices.to_vec(), id));
         repr: $fam::Slice(dtype of out);
         run: |ir, h| [x = $get(tensor)] => $put(B::$f(x, &ir.ranges)),
     } };
@@ -396,7 +396,7 @@ macro_rules! random_op {
 macro_rules! cast_ops {
     ($($f:ident($get:ident -> $put:ident, $dtype:ty): |$ir:ident| $repr:expr),* $(,)?) => {$(
         fn $f(tensor: $crate::backend::record::Tensor<B>, dtype: $dtype) -> $crate::backend::record::Tensor<B> {
-            $crate::backend::record::record_one(stringify!($f),
+            $crate::backend::record::record_out(stringify!($f),
                 [tensor],
                 |[tensor], id| burn_ir::CastOpIr::create(tensor, dtype.into(), id),
                 |$ir| $repr,

@@ -8,8 +8,9 @@
 //! (burn's own builder, usually), its [`OperationIr`] variant, and its run function.
 
 use burn_ir::{
-    BackendIr, BinaryOpIr, HandleContainer, OperationIr, ScalarIr, ScalarOpIr, TensorHandle,
-    TensorId, TensorIr, UnaryOpIr,
+    BackendIr, BinaryOpIr, CastOpIr, DimOpIr, FlipOpIr, HandleContainer, MatmulOpIr, OperationIr,
+    PermuteOpIr, ReduceDimOpIr, ReduceOpIr, ScalarIr, ScalarOpIr, ShapeOpIr, SliceOpIr,
+    SwapDimsOpIr, TensorHandle, TensorId, TensorIr, UnaryOpIr, UnfoldOpIr,
 };
 use smallvec::SmallVec;
 
@@ -41,8 +42,8 @@ pub(crate) trait OpIr: Send + Sync + 'static {
 }
 
 /// [`OpIr`] for IR structs with one `out` field, naming where their operands are. Their run
-/// functions are the op families' of `macros.rs` (`unary`, `binary`, `scalar`), each of which
-/// takes every operand through [`Take`].
+/// functions (the op families' of `macros.rs`, and the matmuls and arg-reductions of
+/// `float.rs` and `int.rs`) each take every operand through [`Take`].
 macro_rules! single_output_irs {
     ($($ir:ident: |$s:ident| $inputs:expr;)*) => {$(
         impl OpIr for $ir {
@@ -66,6 +67,17 @@ single_output_irs! {
     UnaryOpIr: |ir| Irs::one(&ir.input);
     ScalarOpIr: |ir| Irs::one(&ir.lhs);
     BinaryOpIr: |ir| Irs::pair(&ir.lhs, &ir.rhs);
+    ReduceOpIr: |ir| Irs::one(&ir.input);
+    ReduceDimOpIr: |ir| Irs::one(&ir.input);
+    DimOpIr: |ir| Irs::one(&ir.input);
+    MatmulOpIr: |ir| Irs::pair(&ir.lhs, &ir.rhs);
+    CastOpIr: |ir| Irs::one(&ir.input);
+    ShapeOpIr: |ir| Irs::one(&ir.input);
+    SwapDimsOpIr: |ir| Irs::one(&ir.input);
+    PermuteOpIr: |ir| Irs::one(&ir.input);
+    FlipOpIr: |ir| Irs::one(&ir.input);
+    UnfoldOpIr: |ir| Irs::one(&ir.input);
+    SliceOpIr: |ir| Irs::one(&ir.tensor);
 }
 
 /// An IR struct with its operand and output lists kept beside it (the outputs read off its
@@ -270,8 +282,12 @@ fn record_ir<B: IrBackend, L: OpIr, A: Arity, O: Gather<Tensor<B>>>(
     }
 }
 
-/// [`record_ir`] for an operation of `N` operands and one output.
-fn record_out<B: IrBackend, L: OpIr, const N: usize>(
+/// [`record_ir`] for an operation of `N` operands and one output, whose IR struct lists its own
+/// operands and output ([`OpIr`]: the elementwise IRs, reductions, matmul). Unlike
+/// [`record_one`], which keeps lists beside any IR struct, it copies no IR: recording a matmul
+/// or a reduction through `record_one` built the operation's whole `OperationIr` (a clone of
+/// the struct, its shapes and a boxed iterator) once just to read its output.
+pub(crate) fn record_out<B: IrBackend, L: OpIr, const N: usize>(
     name: &'static str,
     operands: [Tensor<B>; N],
     ir: impl FnOnce([TensorIr; N], &mut dyn FnMut() -> TensorId) -> L,

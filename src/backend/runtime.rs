@@ -411,7 +411,9 @@ impl<R: StreamRuntime> TensorMetadata for crate::FusionTensor<R> {
     }
 
     fn shape(&self) -> Shape {
-        crate::FusionTensor::shape(self).clone()
+        // burn's tensor API asks for the shape on most operations (its checks, `dims`); the
+        // derived `Clone` goes through `SmallVec`'s slow `extend`.
+        crate::small::copy_shape(crate::FusionTensor::shape(self))
     }
 
     fn rank(&self) -> usize {

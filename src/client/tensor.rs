@@ -127,6 +127,7 @@ impl<R: StreamRuntime> FusionTensor<R> {
     }
 
     /// The intermediate representation of this tensor used as an operand with `status`.
+    #[inline(always)]
     pub(crate) fn ir(&self, status: TensorStatus) -> TensorIr {
         TensorIr {
             id: self.inner.id,
