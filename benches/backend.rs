@@ -514,7 +514,8 @@ fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
     let grew = |a: u64, b: u64| b.saturating_sub(a);
     eprintln!(
         "    engine: {} ops executed, {} lazy flushes, {} closed runs, {} drains ({} for shares), \
-         {} shares, {} fused kernels over {} ops, {} cut runs unfused, {} deferred frees",
+         {} shares, {} fused kernels over {} ops, {} cut runs unfused, {} deferred frees, \
+         {} stream orderings ({} more not needed)",
         grew(before.ops_executed, after.ops_executed),
         grew(before.lazy_flushes, after.lazy_flushes),
         grew(before.closed_runs, after.closed_runs),
@@ -525,6 +526,8 @@ fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
         grew(before.ops_fused, after.ops_fused),
         grew(before.cut_runs_unfused, after.cut_runs_unfused),
         grew(before.deferred_frees, after.deferred_frees),
+        grew(before.orders, after.orders),
+        grew(before.orders_skipped, after.orders_skipped),
     );
     elapsed
 }

@@ -2,12 +2,16 @@
 //! runtime that records what a device like CUDA under cubecl 0.10 would get wrong.
 //!
 //! `Checked` is a small synchronous device whose buffers remember the stream that allocated them
-//! and count their writes. It says a buffer is *foreign* to every other stream
-//! ([`StreamRuntime::foreign_to`]), as the CUDA backend does, and records a violation when:
+//! and where their last write stands in that stream's order of writes. It says a buffer is
+//! *foreign* to every other stream ([`StreamRuntime::foreign_to`]), as the CUDA backend does,
+//! and records a violation when:
 //!
-//! 1. a kernel or a read on stream `S` uses a buffer foreign to `S` without an
-//!    [`StreamRuntime::order_use`] for `S` since the buffer's last write (the read-before-write
-//!    hazard);
+//! 1. a kernel or a read on stream `S` uses a buffer foreign to `S` whose last write `S` was not
+//!    ordered after: an [`StreamRuntime::order_use`] for `S` made once the write was dispatched
+//!    (the read-before-write hazard). As on CUDA, where it is an event recorded on the buffer's
+//!    stream and waited for on `S`, one ordering covers every write its stream had dispatched,
+//!    to any of its buffers: that is the contract, and the engine waits once for several
+//!    tensors one dispatch wrote;
 //! 2. a buffer is freed while a kernel of a stream it is foreign to used it and that use was
 //!    never handed to [`StreamRuntime::release_after_use`] (the reuse-under-a-reader hazard);
 //! 3. a buffer is written in place by a stream it is foreign to, or a handle that is not foreign
@@ -22,7 +26,7 @@ mod suite;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use burn_backend::{DType, Shape, StreamId, TensorData};
 use burn_fusion::FusionRuntime;
@@ -39,6 +43,19 @@ static ORDERED: AtomicUsize = AtomicUsize::new(0);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
 static FOREIGN_KERNEL_READS: AtomicUsize = AtomicUsize::new(0);
 
+/// How many writes each stream has dispatched: a write's position in its stream's order.
+static WRITES: LazyLock<Mutex<HashMap<StreamId, u64>>> = LazyLock::new(Mutex::default);
+/// For (waiter, home): how many of `home`'s writes `waiter` was last ordered after.
+static SEEN: LazyLock<Mutex<HashMap<(StreamId, StreamId), u64>>> = LazyLock::new(Mutex::default);
+
+/// A write dispatched on `stream`: its position in the stream's order.
+fn write_on(stream: StreamId) -> u64 {
+    let mut writes = WRITES.lock().unwrap();
+    let count = writes.entry(stream).or_default();
+    *count += 1;
+    *count
+}
+
 /// Tests of this binary share the counters above: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -50,10 +67,8 @@ fn violation(what: String) {
 struct Buffer {
     data: Mutex<Vec<f32>>,
     home: StreamId,
-    /// Writes so far (the allocation's fill is the first).
-    version: AtomicU64,
-    /// For each stream it is foreign to: the version it was last ordered after.
-    ordered: Mutex<HashMap<StreamId, u64>>,
+    /// Its last write's position in `home`'s writes (the allocation's fill is the first).
+    written: AtomicU64,
     /// Streams it is foreign to whose kernels used it, not yet released.
     unreleased: Mutex<HashMap<StreamId, usize>>,
 }
@@ -84,11 +99,11 @@ impl fmt::Debug for CheckedHandle {
 
 impl CheckedHandle {
     fn new(data: Vec<f32>) -> Self {
+        let home = StreamId::current();
         Self(Arc::new(Buffer {
             data: Mutex::new(data),
-            home: StreamId::current(),
-            version: AtomicU64::new(1),
-            ordered: Mutex::default(),
+            home,
+            written: AtomicU64::new(write_on(home)),
             unreleased: Mutex::default(),
         }))
     }
@@ -102,12 +117,17 @@ impl CheckedHandle {
         if !self.foreign_to(stream) {
             return;
         }
-        let version = self.0.version.load(Ordering::SeqCst);
-        let ordered = self.0.ordered.lock().unwrap().get(&stream).copied();
-        if ordered != Some(version) {
+        let written = self.0.written.load(Ordering::SeqCst);
+        let seen = SEEN
+            .lock()
+            .unwrap()
+            .get(&(stream, self.0.home))
+            .copied()
+            .unwrap_or(0);
+        if seen < written {
             violation(format!(
                 "{what} on {stream} of a buffer of {} not ordered after its last write \
-                 (ordered after {ordered:?}, written {version} times)",
+                 (its write #{written} there; {stream} was ordered after #{seen})",
                 self.0.home
             ));
         }
@@ -183,8 +203,12 @@ impl StreamRuntime for Checked {
     fn order_use(_: &(), handle: &CheckedHandle, stream: StreamId) {
         if handle.foreign_to(stream) {
             ORDERED.fetch_add(1, Ordering::SeqCst);
-            let version = handle.0.version.load(Ordering::SeqCst);
-            handle.0.ordered.lock().unwrap().insert(stream, version);
+            // Everything the buffer's stream dispatched so far, not only this buffer's writes.
+            let home = handle.0.home;
+            let dispatched = WRITES.lock().unwrap().get(&home).copied().unwrap_or(0);
+            let mut seen = SEEN.lock().unwrap();
+            let seen = seen.entry((stream, home)).or_default();
+            *seen = (*seen).max(dispatched);
         }
     }
 
@@ -254,7 +278,11 @@ impl StreamRuntime for Checked {
                 ));
             }
             *first.handle.data() = result;
-            first.handle.0.version.fetch_add(1, Ordering::SeqCst);
+            first
+                .handle
+                .0
+                .written
+                .store(write_on(stream), Ordering::SeqCst);
             return Ok(first.handle);
         }
         Ok(CheckedHandle::new(result))
@@ -402,6 +430,54 @@ fn tensors_sent_through_a_channel_to_an_accumulator() {
             .sum();
         assert_eq!(suite::values(&sum), vec![expected; 4]);
         drop(sum);
+        assert_nothing_held(&c);
+    });
+}
+
+/// Tensors that one dispatch of a producer wrote: the consumer's stream waits for the producer's
+/// stream once, not once per tensor (one wait covers everything that stream dispatched). Once
+/// the producer dispatches again, the next share waits again.
+#[test]
+fn one_wait_covers_every_tensor_one_dispatch_wrote() {
+    checked(|| {
+        let c = client();
+        let peer = Peer::spawn();
+        let c2 = c.clone();
+        let xs = peer.run(move || {
+            let xs: Vec<_> = (0..8)
+                .map(|i| f32s(&c2, &[i as f32; 4]).scale(2.0).unwrap())
+                .collect();
+            c2.drain();
+            xs
+        });
+        let before = c.stats();
+        // A clone on this thread is a share: a view on this thread's stream.
+        let views: Vec<_> = xs.iter().map(Clone::clone).collect();
+        let shared = c.stats();
+        assert_eq!(shared.shares - before.shares, 8);
+        assert_eq!(shared.orders - before.orders, 1, "{shared:?}");
+        assert_eq!(shared.orders_skipped - before.orders_skipped, 7);
+
+        // The producer dispatches again: its stamp moves, and the next share waits.
+        let c3 = c.clone();
+        let y = peer.run(move || {
+            let y = f32s(&c3, &[10.0; 4]).scale(3.0).unwrap();
+            c3.drain();
+            y
+        });
+        let y_view = y.clone();
+        let again = xs[0].clone();
+        let after = c.stats();
+        assert_eq!(after.orders - shared.orders, 1, "{after:?}");
+        assert_eq!(after.orders_skipped - shared.orders_skipped, 1);
+
+        for (i, view) in views.iter().enumerate() {
+            assert_eq!(suite::values(view), vec![2.0 * i as f32; 4]);
+        }
+        assert_eq!(suite::values(&y_view), vec![30.0; 4]);
+        assert_eq!(suite::values(&again), vec![0.0; 4]);
+        drop((views, y_view, again, xs, y));
+        drop(peer);
         assert_nothing_held(&c);
     });
 }

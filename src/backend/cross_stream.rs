@@ -32,7 +32,10 @@
 //!   dispatched by then: the engine materialises a source before aliasing it, an aliased buffer
 //!   is never written in place, and a foreign buffer is never written in place at all (the
 //!   engine keeps such a consumed input read-only, see `StreamState::execute_one`), so `H` holds
-//!   every write the buffer will ever get.
+//!   every write the buffer will ever get. One wait covers everything `H` had dispatched, so
+//!   `C` waits for `H` again only once `H` has dispatched something since (the engine keeps a
+//!   stamp per stream for this, `MultiStream::plan_order`): a consumer taking the tensors one
+//!   fused kernel of a producer wrote waits once, not once per tensor.
 //! * **Release (closes hazard 2).** A handle of a buffer foreign to `C` that `C` lets go of —
 //!   a view freed, consumed or read for the last time, or the second owner the engine held while
 //!   an operation consumed it — is released by [`StreamRules::release_after_use`]: `H` is made to

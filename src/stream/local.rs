@@ -1,5 +1,5 @@
 //! Per-thread helpers: a cache of the current stream, the list of streams to drain when the
-//! thread exits, and whether it is exiting.
+//! thread exits, whether it is exiting, and the orderings this thread's stream was given.
 //!
 //! # Current-stream cache
 //!
@@ -15,6 +15,14 @@
 //! and, when it exits, has them drained ([`EngineHook::on_thread_exit`]); a stream left empty is
 //! retired from its engine. The exiting thread does not run that work itself: it hands each stream
 //! to the engine's service thread and waits (see [`super::service`]).
+//!
+//! # Orderings
+//!
+//! A stream that uses a buffer another stream allocated is first made to wait on the device for
+//! everything that stream dispatched (`StreamRuntime::order_use`). Only the thread whose stream
+//! waits asks for that (a share or a read, never from inside an executing operation), so the
+//! orderings its stream got so far are the thread's to remember: [`ordered_after`] and
+//! [`note_ordered`], and `MultiStream::plan_order` for when one can be skipped.
 //!
 //! Thread-local destructors that run *after* this one may still use the engine. [`exiting`] is
 //! set from here on, and the engine routes whatever such a destructor does through the service
@@ -33,6 +41,21 @@ struct Cached {
     stream: u64,
     cell: Weak<dyn Any + Send + Sync>,
 }
+
+/// An ordering this thread asked for: in engine `engine`, stream `waiter` (this thread's stream
+/// then) was made to wait for everything stream `home` had dispatched when `home`'s stamp was
+/// `stamp` (see `StreamState::stamp`).
+#[derive(Clone, Copy)]
+struct Ordered {
+    engine: u64,
+    waiter: u64,
+    home: u64,
+    stamp: u64,
+}
+
+/// How many orderings a thread remembers: the streams it takes tensors from, most often a few.
+/// Forgetting one only costs a wait that was not needed.
+const ORDERINGS_KEPT: usize = 16;
 
 /// (engine key, the engine, a stream this thread used on it).
 type ExitHook = (u64, Weak<dyn EngineHook>, StreamId);
@@ -59,6 +82,42 @@ std::thread_local! {
     static EXIT_HOOKS: ExitHooks = const { ExitHooks(RefCell::new(Vec::new())) };
     /// A `Cell<bool>` with a const initialiser: no destructor, readable during thread exit.
     static EXITING: Cell<bool> = const { Cell::new(false) };
+    /// The latest orderings, newest last.
+    static ORDERED: RefCell<Vec<Ordered>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The stamp `home` had when `waiter` was last ordered after it in `engine` by this thread, if
+/// this thread remembers one.
+pub(crate) fn ordered_after(engine: u64, waiter: StreamId, home: StreamId) -> Option<u64> {
+    ORDERED
+        .try_with(|ordered| {
+            ordered
+                .borrow()
+                .iter()
+                .rev()
+                .find(|o| o.engine == engine && o.waiter == waiter.value && o.home == home.value)
+                .map(|o| o.stamp)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Remember that `waiter` was ordered after everything `home` dispatched up to `stamp`.
+pub(crate) fn note_ordered(engine: u64, waiter: StreamId, home: StreamId, stamp: u64) {
+    let _ = ORDERED.try_with(|ordered| {
+        let mut ordered = ordered.borrow_mut();
+        ordered
+            .retain(|o| !(o.engine == engine && o.waiter == waiter.value && o.home == home.value));
+        if ordered.len() == ORDERINGS_KEPT {
+            ordered.remove(0);
+        }
+        ordered.push(Ordered {
+            engine,
+            waiter: waiter.value,
+            home: home.value,
+            stamp,
+        });
+    });
 }
 
 /// The cached cell of `stream` in engine `engine`, if this thread has it.

@@ -163,6 +163,13 @@ pub struct EngineStats {
     /// Runs a drain cut before their fuser closed them that ran unfused, because the fuser
     /// declined them ([`crate::runtime::Fuser::fuse_cut_run`]).
     pub cut_runs_unfused: u64,
+    /// Times a stream was made to wait on the device for another's work before using one of its
+    /// buffers (a share or a read on a runtime whose buffers can be foreign to a stream, see
+    /// [`StreamRuntime::order_use`]).
+    pub orders: u64,
+    /// Shares and reads that needed no such wait: their stream had waited for the buffer's
+    /// stream since that stream last dispatched anything.
+    pub orders_skipped: u64,
     /// Streams left out of this snapshot because it was taken from inside an executing
     /// operation while their lock was held (always 0 outside the engine).
     pub streams_skipped: usize,
@@ -188,6 +195,8 @@ impl EngineStats {
         self.fused_kernels += c.fused_kernels;
         self.ops_fused += c.ops_fused;
         self.cut_runs_unfused += c.cut_runs_unfused;
+        self.orders += c.orders;
+        self.orders_skipped += c.orders_skipped;
     }
 
     /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.
@@ -618,7 +627,8 @@ impl<R: StreamRuntime> MultiStream<R> {
             return current;
         }
 
-        let entry = {
+        let current = StreamId::current();
+        let (entry, order) = {
             let (mut source, drained) = self.lock_materialised(src_home, &src);
             source.counters.shares += 1;
             if drained {
@@ -628,14 +638,14 @@ impl<R: StreamRuntime> MultiStream<R> {
                 source.counters.share_fast_paths += 1;
             }
             tracing::trace!(source = %src, view = %dst, from = %src_home.id, drained, "shared view");
-            source.entry(&src, "share")
+            let entry = source.entry(&src, "share");
+            let order = self.plan_order(&mut source, &entry, current);
+            (entry, order)
         };
         // The view's stream must not read the buffer before the source's writes, which were all
         // dispatched by now (the source is materialised, and an aliased buffer is never written
         // in place).
-        if let Entry::Handle(handle) = &entry {
-            R::order_use(&self.context, handle, StreamId::current());
-        }
+        self.order(&entry, src_home.id, current, order);
 
         self.register_entry(dst, entry)
     }
@@ -664,18 +674,69 @@ impl<R: StreamRuntime> MultiStream<R> {
             };
             return Err(Error::Reentrant { what });
         }
+        let current = StreamId::current();
         let (mut state, _) = self.lock_materialised(home, &id);
         let entry = if release {
             state.take_for_read(id, "read")
         } else {
             state.entry(&id, "read")
         };
+        let order = self.plan_order(&mut state, &entry, current);
         drop(state);
         // The read runs on this thread's stream, after the buffer's writes.
-        if let Entry::Handle(handle) = &entry {
-            R::order_use(&self.context, handle, StreamId::current());
-        }
+        self.order(&entry, home.id, current, order);
         Ok(entry)
+    }
+
+    /// Whether stream `current` must be made to wait for `home`'s writes before it uses
+    /// `entry`'s buffer, decided under `home`'s lock: `None` when it need not (the buffer is not
+    /// foreign to `current`, or `current` already waited for it), otherwise `Some` of the stamp
+    /// to remember once it has waited (`None` inside when `home`'s stamp does not describe the
+    /// buffer's writes: a view on `home` of a third stream's buffer).
+    ///
+    /// One wait covers everything `home` dispatched, not only this buffer
+    /// ([`StreamRuntime::order_use`]). So where `current` was made to wait for `home` while
+    /// `home`'s stamp was what it is now, every write to a buffer `home` allocated was covered
+    /// (see `StreamState::stamp`), and this use needs no wait of its own. A consumer taking
+    /// several tensors one fused kernel of a producer wrote waits once, not once per tensor.
+    fn plan_order(
+        &self,
+        home: &mut StreamState<R>,
+        entry: &Entry<R::FusionHandle>,
+        current: StreamId,
+    ) -> Option<Option<u64>> {
+        let Entry::Handle(handle) = entry else {
+            return None;
+        };
+        if !home.foreign_buffers || !R::foreign_to(&self.context, handle, current) {
+            return None;
+        }
+        let stamp = (!R::foreign_to(&self.context, handle, home.id)).then_some(home.stamp);
+        if stamp.is_some() && local::ordered_after(self.key, current, home.id) == stamp {
+            home.counters.orders_skipped += 1;
+            return None;
+        }
+        home.counters.orders += 1;
+        Some(stamp)
+    }
+
+    /// Carry out what [`Self::plan_order`] decided, after `home`'s lock is released: make
+    /// `current` wait for the stream that allocated `entry`'s buffer, and remember up to which
+    /// stamp of `home` it did.
+    fn order(
+        &self,
+        entry: &Entry<R::FusionHandle>,
+        home: StreamId,
+        current: StreamId,
+        order: Option<Option<u64>>,
+    ) {
+        let (Entry::Handle(handle), Some(stamp)) = (entry, order) else {
+            return;
+        };
+        R::order_use(&self.context, handle, current);
+        if let Some(stamp) = stamp {
+            local::note_ordered(self.key, current, home, stamp);
+        }
     }
 
     /// The last live tensor of `id` went away: free it on its home stream.

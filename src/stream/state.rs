@@ -2,6 +2,7 @@
 //! records, and the bookkeeping for shares and frees.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,8 @@ pub(crate) struct StreamCounters {
     pub(crate) fused_kernels: u64,
     pub(crate) ops_fused: u64,
     pub(crate) cut_runs_unfused: u64,
+    pub(crate) orders: u64,
+    pub(crate) orders_skipped: u64,
 }
 
 impl StreamCounters {
@@ -64,7 +67,17 @@ impl StreamCounters {
         self.fused_kernels += other.fused_kernels;
         self.ops_fused += other.ops_fused;
         self.cut_runs_unfused += other.cut_runs_unfused;
+        self.orders += other.orders;
+        self.orders_skipped += other.orders_skipped;
     }
+}
+
+/// Stamps for [`StreamState::stamp`]: each value is handed out once, over every stream of every
+/// engine.
+static STAMPS: AtomicU64 = AtomicU64::new(1);
+
+fn next_stamp() -> u64 {
+    STAMPS.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Everything one stream owns. Only ever accessed under its [`super::cell::StreamCell`]'s lock.
@@ -110,6 +123,19 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// Whose drain is running (for a run it cuts: [`crate::runtime::Fuser::fuse_cut_run`]).
     pub(crate) cut: crate::runtime::Cut,
     pub(crate) counters: StreamCounters,
+    /// Whether the runtime's buffers can be [foreign](StreamRuntime::foreign_to) to a stream
+    /// ([`StreamRuntime::has_foreign_buffers`]): only then is [`Self::stamp`] kept.
+    pub(crate) foreign_buffers: bool,
+    /// A value that changes, to one no stream ever had, whenever this stream may have dispatched
+    /// a write to a buffer it allocated: after each execution of its queue and each handle
+    /// registered here (an upload's write is dispatched before). Both happen under the stream's
+    /// lock, where the stamp is read too. So once another stream has been made to wait for
+    /// everything this one dispatched, read when the stamp was `s`, every write of this stream's
+    /// buffers up to that point is covered while the stamp is still `s`, and a share or a read
+    /// of one of them on that stream needs no new wait (`MultiStream::plan_order`). Being
+    /// unique over all streams, a stamp never matches one remembered for an earlier state of
+    /// the same stream id.
+    pub(crate) stamp: u64,
     /// Set when the stream was removed from the engine's map (its thread exited and it became
     /// empty). A retired state is never used again; a later user of the id gets a fresh one.
     pub(crate) retired: bool,
@@ -128,7 +154,10 @@ impl<R: StreamRuntime> StreamState<R> {
         fusion: Arc<std::sync::atomic::AtomicBool>,
     ) -> Self {
         let fuser = R::fuser(&context);
+        let foreign_buffers = R::has_foreign_buffers(&context);
         Self {
+            foreign_buffers,
+            stamp: next_stamp(),
             fusion,
             id,
             serial,
@@ -190,10 +219,21 @@ impl<R: StreamRuntime> StreamState<R> {
             self.id
         );
         match entry {
-            Entry::Handle(handle) => self.handles.register_handle(id, handle),
+            Entry::Handle(handle) => {
+                self.handles.register_handle(id, handle);
+                self.dispatched();
+            }
             Entry::Failed(error) => {
                 self.errors.insert(id, error);
             }
+        }
+    }
+
+    /// This stream may have dispatched a write: a new [`Self::stamp`].
+    #[inline]
+    pub(crate) fn dispatched(&mut self) {
+        if self.foreign_buffers {
+            self.stamp = next_stamp();
         }
     }
 
