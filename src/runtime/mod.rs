@@ -215,10 +215,16 @@ pub trait StreamRuntime: FusionRuntime {
         true
     }
 
-    /// Make work dispatched on `stream` from now on wait, on the device, for every write already
-    /// dispatched to `handle`'s buffer. The engine calls it when a buffer crosses to another
-    /// stream: a shared view is registered there, or a tensor is read there. Dispatch only: it
-    /// never waits. Nothing by default.
+    /// Make work dispatched on `stream` from now on wait, on the device, for everything already
+    /// dispatched on the stream that allocated `handle`'s buffer: every write to that buffer,
+    /// and to every other buffer that stream allocated. The engine calls it when a buffer crosses
+    /// to another stream: a shared view is registered there, or a tensor is read there. It
+    /// counts on the whole stream being covered: after one ordering it asks again for another
+    /// buffer of the same stream only once that stream has dispatched something since
+    /// ([`crate::EngineStats::orders_skipped`]). An event recorded on the allocating stream and
+    /// waited for on `stream` (CUDA's way) is exactly that; an implementation that waited for
+    /// one buffer's last write alone would not be enough. Dispatch only: it never waits.
+    /// Nothing by default.
     fn order_use(ctx: &Self::Context, handle: &Self::FusionHandle, stream: StreamId) {
         let _ = (ctx, handle, stream);
     }
