@@ -138,7 +138,7 @@ impl<R: StreamRuntime> StreamState<R> {
             // empty: give it back what is left (an open run) and its allocation.
             debug_assert!(self.queue.is_empty());
             self.queue = ops;
-            self.dispatched();
+            self.new_stamp();
         }
         // A deferred free waits for every queued reader; an open run left queued may be one.
         for id in std::mem::take(&mut self.deferred_frees) {

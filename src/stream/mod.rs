@@ -209,6 +209,15 @@ impl EngineStats {
     }
 }
 
+/// What a use of a buffer on a stream needs before it ([`MultiStream::plan_order`]).
+enum Order {
+    /// Nothing: the buffer is the stream's own, or the stream waited for its writes already.
+    Covered,
+    /// A wait for the stream that allocated the buffer; `stamp` is the holder's
+    /// [`StreamState::stamp`] to remember after it, when that stamp describes the buffer's writes.
+    Wait { stamp: Option<u64> },
+}
+
 /// A queued entry, as returned by [`MultiStream::pending`].
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -689,10 +698,7 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 
     /// Whether stream `current` must be made to wait for `home`'s writes before it uses
-    /// `entry`'s buffer, decided under `home`'s lock: `None` when it need not (the buffer is not
-    /// foreign to `current`, or `current` already waited for it), otherwise `Some` of the stamp
-    /// to remember once it has waited (`None` inside when `home`'s stamp does not describe the
-    /// buffer's writes: a view on `home` of a third stream's buffer).
+    /// `entry`'s buffer, decided under `home`'s lock.
     ///
     /// One wait covers everything `home` dispatched, not only this buffer
     /// ([`StreamRuntime::order_use`]). So where `current` was made to wait for `home` while
@@ -704,20 +710,22 @@ impl<R: StreamRuntime> MultiStream<R> {
         home: &mut StreamState<R>,
         entry: &Entry<R::FusionHandle>,
         current: StreamId,
-    ) -> Option<Option<u64>> {
+    ) -> Order {
         let Entry::Handle(handle) = entry else {
-            return None;
+            return Order::Covered;
         };
         if !home.foreign_buffers || !R::foreign_to(&self.context, handle, current) {
-            return None;
+            return Order::Covered;
         }
+        // `home`'s stamp describes the writes of the buffers `home` allocated, not those of a
+        // view's buffer, which a third stream wrote.
         let stamp = (!R::foreign_to(&self.context, handle, home.id)).then_some(home.stamp);
         if stamp.is_some() && local::ordered_after(self.key, current, home.id) == stamp {
             home.counters.orders_skipped += 1;
-            return None;
+            return Order::Covered;
         }
         home.counters.orders += 1;
-        Some(stamp)
+        Order::Wait { stamp }
     }
 
     /// Carry out what [`Self::plan_order`] decided, after `home`'s lock is released: make
@@ -728,9 +736,9 @@ impl<R: StreamRuntime> MultiStream<R> {
         entry: &Entry<R::FusionHandle>,
         home: StreamId,
         current: StreamId,
-        order: Option<Option<u64>>,
+        order: Order,
     ) {
-        let (Entry::Handle(handle), Some(stamp)) = (entry, order) else {
+        let (Entry::Handle(handle), Order::Wait { stamp }) = (entry, order) else {
             return;
         };
         R::order_use(&self.context, handle, current);

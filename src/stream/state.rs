@@ -221,7 +221,7 @@ impl<R: StreamRuntime> StreamState<R> {
         match entry {
             Entry::Handle(handle) => {
                 self.handles.register_handle(id, handle);
-                self.dispatched();
+                self.new_stamp();
             }
             Entry::Failed(error) => {
                 self.errors.insert(id, error);
@@ -231,7 +231,7 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// This stream may have dispatched a write: a new [`Self::stamp`].
     #[inline]
-    pub(crate) fn dispatched(&mut self) {
+    pub(crate) fn new_stamp(&mut self) {
         if self.foreign_buffers {
             self.stamp = next_stamp();
         }
