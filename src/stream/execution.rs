@@ -360,7 +360,7 @@ impl<R: StreamRuntime> StreamState<R> {
         // the map's own handle (see `StreamState::let_go`), since the kernel just dispatched
         // may still read the buffer after the operation dropped its own owner.
         let mut kept: SmallVec<[R::FusionHandle; 2]> = SmallVec::new();
-        if R::has_foreign_buffers(&self.context) {
+        if self.foreign_buffers {
             kept.extend(
                 op.inputs()
                     .into_iter()

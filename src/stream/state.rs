@@ -124,7 +124,8 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) cut: crate::runtime::Cut,
     pub(crate) counters: StreamCounters,
     /// Whether the runtime's buffers can be [foreign](StreamRuntime::foreign_to) to a stream
-    /// ([`StreamRuntime::has_foreign_buffers`]): only then is [`Self::stamp`] kept.
+    /// ([`StreamRuntime::has_foreign_buffers`], asked once): only then are consumed operands
+    /// looked up to ask `foreign_to` (`execute_one`), and [`Self::stamp`] kept.
     pub(crate) foreign_buffers: bool,
     /// A value that changes, to one no stream ever had, whenever this stream may have dispatched
     /// a write to a buffer it allocated: after each execution of its queue and each handle
