@@ -46,6 +46,9 @@
 //! whether a slow median is a steady cost or a warm-up that outlasts the untimed round), and for
 //! the softmax, attention and layer-norm rows each call's time per repetition split into
 //! building it and reading its result.
+//! `FUSION_STREAMS_BENCH_PROFILE=1` (with `VERBOSE`) also prints, after each call on our engine,
+//! the time the engine spent in each of its sections (`fusion_streams::profile`), the main
+//! thread's apart.
 //! `FUSION_STREAMS_BENCH_SOLO=<ours|plain|unfused|burn-fusion>` runs one contender alone (an
 //! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
@@ -502,8 +505,13 @@ impl Contender {
 }
 
 /// Run `f` on our backend; with `FUSION_STREAMS_BENCH_VERBOSE`, print what the engine did
-/// meanwhile (its counters' growth).
+/// meanwhile (its counters' growth), and with `FUSION_STREAMS_BENCH_PROFILE` where its time went
+/// (`fusion_streams::profile`; the marked thread is the bench's main thread: the one thread of
+/// the chains, the reductions and the consumer of the pipeline).
 fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
+    if fusion_streams::profile::enabled() {
+        fusion_streams::profile::take();
+    }
     if !verbose() {
         return f();
     }
@@ -529,6 +537,9 @@ fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
         grew(before.orders, after.orders),
         grew(before.orders_skipped, after.orders_skipped),
     );
+    if fusion_streams::profile::enabled() {
+        eprintln!("    engine time: {}", fusion_streams::profile::take());
+    }
     elapsed
 }
 
@@ -604,6 +615,10 @@ fn main() {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
     };
+    if std::env::var_os("FUSION_STREAMS_BENCH_PROFILE").is_some() {
+        fusion_streams::profile::enable(true);
+        fusion_streams::profile::mark_current_thread();
+    }
     let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
     let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
     if queue_len.is_some() || dispatch.is_some() {

@@ -60,6 +60,7 @@ pub mod id;
 mod live;
 mod loom;
 mod operation;
+pub mod profile;
 pub mod runtime;
 mod size;
 mod small;

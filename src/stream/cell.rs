@@ -86,6 +86,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// check [`in_engine`] first).
     #[inline]
     pub(crate) fn lock(&self) -> StreamGuard<'_, R> {
+        let _timer = crate::profile::time(crate::profile::Section::Lock);
         self.state.lock()
     }
 

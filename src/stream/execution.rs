@@ -111,6 +111,7 @@ impl<R: StreamRuntime> StreamState<R> {
 
     fn execute_queue(&mut self, lazy: bool) {
         if !self.queue.is_empty() {
+            let _timer = crate::profile::time(crate::profile::Section::Execute);
             let mut ops = std::mem::take(&mut self.queue);
             // Device work dispatched by the executors must land on this stream even when another
             // thread is draining it (to share or read one of its tensors).
@@ -274,7 +275,10 @@ impl<R: StreamRuntime> StreamState<R> {
     /// bookkeeping in queue order.
     fn execute_run(&mut self, run: Vec<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
         let (handles, context) = (self.handles.flushed(), &*self.context);
-        let outcome = catch_unwind(AssertUnwindSafe(|| fuser.execute(handles, context)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let _timer = crate::profile::time(crate::profile::Section::FusedRun);
+            fuser.execute(handles, context)
+        }));
         let failure = match outcome {
             Ok(Ok(kernels)) => {
                 self.counters.fused_kernels += kernels as u64;

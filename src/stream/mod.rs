@@ -491,6 +491,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         body: B,
         commit: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>, &B) -> T,
     ) -> T {
+        let _timer = crate::profile::time(crate::profile::Section::Record);
         self.with_current(home, |cell, state| {
             let settled = commit(cell, state, &body);
             state.counters.ops_registered += 1;
@@ -636,6 +637,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             return current;
         }
 
+        let _timer = crate::profile::time(crate::profile::Section::Share);
         let current = StreamId::current();
         let (entry, order) = {
             let (mut source, drained) = self.lock_materialised(src_home, &src);
@@ -683,6 +685,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             };
             return Err(Error::Reentrant { what });
         }
+        let _timer = crate::profile::time(crate::profile::Section::Read);
         let current = StreamId::current();
         let (mut state, _) = self.lock_materialised(home, &id);
         let entry = if release {
@@ -741,7 +744,10 @@ impl<R: StreamRuntime> MultiStream<R> {
         let (Entry::Handle(handle), Order::Wait { stamp }) = (entry, order) else {
             return;
         };
-        R::order_use(&self.context, handle, current);
+        {
+            let _timer = crate::profile::time(crate::profile::Section::Order);
+            R::order_use(&self.context, handle, current);
+        }
         if let Some(stamp) = stamp {
             local::note_ordered(self.key, current, home, stamp);
         }

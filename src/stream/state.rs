@@ -295,6 +295,7 @@ impl<R: StreamRuntime> StreamState<R> {
 
     #[inline(never)]
     fn hand_released(&mut self) {
+        let _timer = crate::profile::time(crate::profile::Section::Release);
         let released = std::mem::take(&mut self.released);
         R::release_after_use(&self.context, self.id, released);
     }
