@@ -41,6 +41,8 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
 
     fn apply(&mut self, message: Self::Message) {
         match message {
+            // A retired state holds no ids; a stale poster's free has nothing to do there.
+            InboxMessage::Free(_) if self.retired => {}
             InboxMessage::Free(id) => self.foreign_drop(id),
             InboxMessage::Register(id, entry) => self.register_entry(id, entry),
         }

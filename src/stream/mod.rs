@@ -754,8 +754,13 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 
     /// The last live tensor of `id` went away: free it on its home stream.
+    ///
+    /// A drop on another thread than the home's is posted to the home's inbox rather than made
+    /// under its lock: the home may be executing its queue (launching kernels, for a while), and
+    /// a consumer dropping the tensors it received must not wait for that. Whoever holds the
+    /// lock applies the free before releasing it ([`super::inbox`]), as a foreign drop.
     pub(crate) fn release(&self, home: &Arc<StreamCell<R>>, id: TensorId) {
-        if in_engine() {
+        if in_engine() || home.id != StreamId::current() {
             home.post(InboxMessage::Free(id));
             return;
         }
