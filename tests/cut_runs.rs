@@ -22,6 +22,9 @@ type Handles = HandleContainer<<Plain as burn_ir::BackendIr>::Handle>;
 /// cut run held.
 static CUTS: Mutex<Vec<(Cut, usize)>> = Mutex::new(Vec::new());
 
+/// The tests of this binary read [`CUTS`] whole: they take turns.
+static TURN: Mutex<()> = Mutex::new(());
+
 /// A fuser that takes every operation and declines every cut run, recording whose drain cut
 /// it. Its runs are never closed, so it never executes one itself.
 #[derive(Default)]
@@ -85,6 +88,9 @@ fn program<B: burn_backend::Backend>() -> (TensorData, TensorData) {
 
 #[test]
 fn a_share_cuts_as_foreign_and_a_read_as_own_and_declined_runs_are_unfused() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let client = client();
     let before = client.stats();
     CUTS.lock().unwrap().clear();
@@ -107,4 +113,47 @@ fn a_share_cuts_as_foreign_and_a_read_as_own_and_declined_runs_are_unfused() {
     let (want_consumed, want_own) = program::<Plain>();
     assert_eq!(consumed, want_consumed);
     assert_eq!(own, want_own);
+}
+
+/// Another thread's share of a queued tensor runs the producer's queue only through that
+/// tensor's producer: the operations recorded after it stay queued for the producer's thread,
+/// and the cut run it hands the fuser ends at the shared tensor.
+#[test]
+fn another_threads_share_runs_the_queue_only_through_its_tensor() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let client = client();
+    let here = burn_backend::StreamId::current();
+    let program = |x: Tensor<Ours, 1>| {
+        let y = x.clone() * 2.0 + 1.0;
+        let z = (x - 0.5) * 4.0; // recorded after y's producer
+        (y, z)
+    };
+    let (y, z) = program(input::<Ours>());
+    let operations = |pending: Vec<fusion_streams::Pending>| {
+        pending
+            .into_iter()
+            .filter(|p| matches!(p, fusion_streams::Pending::Operation(_)))
+            .count()
+    };
+    assert_eq!(operations(client.streams().pending(here).unwrap()), 4);
+    CUTS.lock().unwrap().clear();
+
+    let consumed = std::thread::spawn(move || (y + 1.0).into_data())
+        .join()
+        .unwrap();
+    assert_eq!(
+        operations(client.streams().pending(here).unwrap()),
+        2,
+        "z's two operations are still queued"
+    );
+    let cuts = CUTS.lock().unwrap().clone();
+    assert_eq!(cuts.first(), Some(&(Cut::Foreign, 2)), "{cuts:?}");
+    let own = z.into_data();
+
+    let x = input::<Plain>();
+    let (y, z) = (x.clone() * 2.0 + 1.0, (x - 0.5) * 4.0);
+    assert_eq!(consumed, (y + 1.0).into_data());
+    assert_eq!(own, z.into_data());
 }

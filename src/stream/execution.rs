@@ -110,6 +110,40 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 
     fn execute_queue(&mut self, lazy: bool) {
+        self.run_queue(lazy);
+        self.retry_deferred_frees();
+    }
+
+    /// Execute the queue's first `end` entries and leave the rest queued (a drain for another
+    /// thread that needs only a tensor the `end`-th entry produces), then apply deferred frees.
+    ///
+    /// The rest is the home thread's to extend and run: a share or read from another thread
+    /// pays only for what it needs, and the run it cuts ends where its tensor is made, which
+    /// repeats from call to call where the end of the whole queue would not (see
+    /// [`crate::runtime::Fuser::fuse_cut_run`]).
+    pub(crate) fn execute_through(&mut self, end: usize) {
+        if end >= self.queue.len() {
+            return self.execute_all();
+        }
+        let tail = self.queue.split_off(end);
+        if self.plan.scanned > end {
+            // The fuser was offered entries past the cut: plan the front again on its own.
+            if let Some(fuser) = &mut self.fuser {
+                fuser.reset();
+            }
+            self.plan.clear();
+        }
+        self.run_queue(false);
+        debug_assert!(
+            self.queue.is_empty(),
+            "an eager run executes everything it is given"
+        );
+        self.queue = tail;
+        // After the tail is back: a deferred free must still wait for the readers queued there.
+        self.retry_deferred_frees();
+    }
+
+    fn run_queue(&mut self, lazy: bool) {
         if !self.queue.is_empty() {
             let _timer = crate::profile::time(crate::profile::Section::Execute);
             let mut ops = std::mem::take(&mut self.queue);
@@ -141,6 +175,9 @@ impl<R: StreamRuntime> StreamState<R> {
             self.queue = ops;
             self.new_stamp();
         }
+    }
+
+    fn retry_deferred_frees(&mut self) {
         // A deferred free waits for every queued reader; an open run left queued may be one.
         for id in std::mem::take(&mut self.deferred_frees) {
             if self.queue_references(id) {

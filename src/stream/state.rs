@@ -483,11 +483,31 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Make sure `id` is produced, draining if its producer is still queued (for the current
     /// thread: [`StreamState::drain_here`]). Returns whether a drain ran.
+    ///
+    /// Another thread's drain runs the queue only through `id`'s producer
+    /// ([`StreamState::execute_through`]); the home thread's runs all of it.
     pub(crate) fn materialise(&mut self, id: &TensorId) -> bool {
         if self.is_materialised(id) || self.queue.is_empty() {
             return false;
         }
-        self.drain_here();
+        match self.producer_position(id) {
+            Some(at) if StreamId::current() != self.id => {
+                self.counters.drains += 1;
+                tracing::trace!(stream = %self.id, ops = at + 1, left = self.queue.len() - at - 1, "drain through a shared tensor");
+                self.cut = crate::runtime::Cut::Foreign;
+                self.execute_through(at + 1);
+                self.cut = crate::runtime::Cut::Own;
+            }
+            _ => self.drain_here(),
+        }
         true
+    }
+
+    /// The queue index of the operation that produces `id`, if one is queued.
+    fn producer_position(&self, id: &TensorId) -> Option<usize> {
+        self.queue.iter().position(|entry| match entry {
+            QueuedOp::Drop(_) => false,
+            QueuedOp::Op(op) => op.outputs().iter().any(|out| out.id == *id),
+        })
     }
 }
