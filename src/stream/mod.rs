@@ -249,8 +249,9 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 /// a fresh id `dst` on the current stream and *tags a shared view* of the source `src`:
 ///
 /// 1. **Materialise `src`.** If `src` has neither a handle nor an error record yet, its producer is
-///    still queued on the source stream, so that stream is drained (its pending operations run,
-///    on the source stream, from this thread). `src` is then noted in `shared_sources` (the
+///    still queued on the source stream, so that stream is drained through `src`'s producer (its
+///    pending operations up to that one run, on the source stream, from this thread; what the
+///    source recorded after it stays queued for the source's own thread). `src` is then noted in `shared_sources` (the
 ///    sources a share had to drain, reported by [`EngineStats::shared_sources`]). Later shares
 ///    skip the drain because `src` now has a handle or an error record: that test alone decides,
 ///    and the set is never read to decide it.
@@ -265,7 +266,9 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 ///
 /// Each tensor frees its id on its own home stream. On the home thread the last drop enqueues a
 /// drop behind the pending operations (which may still read the id). From any other thread it is
-/// a *foreign drop*, which never touches the home queue: it frees at once unless a pending
+/// a *foreign drop*, which never touches the home queue and never waits for the home's lock (it is
+/// posted to the home's inbox and applied by whoever holds or next takes that lock): it frees at
+/// once unless a pending
 /// operation there reads the id (or has yet to produce it), and otherwise defers the free until
 /// the pending segment has run — which the home thread does when it reads, syncs, shares, fills
 /// its queue or exits, and the engine's service thread does at the latest
