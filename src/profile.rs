@@ -40,7 +40,8 @@ pub enum Section {
     /// Minting a shared view of another stream's tensor (the source's lock, its drain if its
     /// producer was pending, the ordering, the view's registration).
     Share,
-    /// Waiting for a stream's lock, and applying what other threads posted to it.
+    /// Waiting for a stream's lock while another thread held it (and applying what other
+    /// threads posted to it); a lock taken at once is not counted.
     Lock,
     /// Asking the device to make one stream wait for another's work
     /// ([`crate::runtime::StreamRuntime::order_use`]).

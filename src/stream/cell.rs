@@ -88,6 +88,17 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// check [`in_engine`] first).
     #[inline]
     pub(crate) fn lock(&self) -> StreamGuard<'_, R> {
+        match self.state.try_lock() {
+            Some(guard) => guard,
+            None => self.lock_held(),
+        }
+    }
+
+    /// [`Self::lock`] when another thread holds the lock: the wait is what
+    /// [`crate::profile::Section::Lock`] times.
+    #[cold]
+    #[inline(never)]
+    fn lock_held(&self) -> StreamGuard<'_, R> {
         let _timer = crate::profile::time(crate::profile::Section::Lock);
         self.state.lock()
     }

@@ -68,6 +68,7 @@ impl<S: Mailbox> InboxLock<S> {
     }
 
     /// Take the lock if it is free (applying what was posted).
+    #[inline]
     pub(crate) fn try_lock(&self) -> Option<InboxGuard<'_, S>> {
         let guard = self.state.try_lock()?;
         S::entered();

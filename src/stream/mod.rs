@@ -763,11 +763,12 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// a consumer dropping the tensors it received must not wait for that. Whoever holds the
     /// lock applies the free before releasing it ([`super::inbox`]), as a foreign drop.
     pub(crate) fn release(&self, home: &Arc<StreamCell<R>>, id: TensorId) {
-        if in_engine() || home.id != StreamId::current() {
+        let current = StreamId::current();
+        if in_engine() || home.id != current {
             home.post(InboxMessage::Free(id));
             return;
         }
-        home.lock().release(id);
+        home.lock().release_by(id, current);
     }
 
     /// Remove an empty stream's state from the map. Called under that stream's lock; lock order:

@@ -317,10 +317,16 @@ impl<R: StreamRuntime> StreamState<R> {
     /// orphaned stream's thread is gone, and an exiting thread runs nothing any more: both free
     /// like a foreign thread does.
     pub(crate) fn release(&mut self, id: TensorId) {
+        self.release_by(id, StreamId::current());
+    }
+
+    /// [`Self::release`] by a thread whose stream is `current`.
+    #[inline]
+    pub(crate) fn release_by(&mut self, id: TensorId, current: StreamId) {
         if self.retired {
             return;
         }
-        if self.on_home_thread() {
+        if self.is_home(current) {
             self.home_drop(id);
         } else {
             self.foreign_drop(id);
@@ -330,7 +336,13 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Whether the calling thread is this stream's home thread, alive and able to run what it
     /// queues (the home/foreign decision of a last drop).
     fn on_home_thread(&self) -> bool {
-        StreamId::current() == self.id && !self.orphaned && !super::local::exiting()
+        self.is_home(StreamId::current())
+    }
+
+    /// [`Self::on_home_thread`] for a thread whose stream is `current`.
+    #[inline]
+    fn is_home(&self, current: StreamId) -> bool {
+        current == self.id && !self.orphaned && !super::local::exiting()
     }
 
     /// The entry of `id` for a consuming read by its last live tensor, with `id` released in
