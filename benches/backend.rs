@@ -523,7 +523,8 @@ fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
     eprintln!(
         "    engine: {} ops executed, {} lazy flushes, {} closed runs, {} drains ({} for shares), \
          {} shares, {} fused kernels over {} ops, {} cut runs unfused, {} deferred frees, \
-         {} stream orderings ({} more not needed)",
+         {} stream orderings ({} more not needed), {} ops recorded while another thread held \
+         the lock",
         grew(before.ops_executed, after.ops_executed),
         grew(before.lazy_flushes, after.lazy_flushes),
         grew(before.closed_runs, after.closed_runs),
@@ -536,6 +537,7 @@ fn engine_counted(f: impl FnOnce() -> Duration) -> Duration {
         grew(before.deferred_frees, after.deferred_frees),
         grew(before.orders, after.orders),
         grew(before.orders_skipped, after.orders_skipped),
+        grew(before.ops_posted, after.ops_posted),
     );
     if fusion_streams::profile::enabled() {
         eprintln!("    engine time: {}", fusion_streams::profile::take());

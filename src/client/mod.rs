@@ -436,36 +436,62 @@ impl<R: StreamRuntime> FusionClient<R> {
         let home = locals.as_ref().iter().find_map(Local::home).cloned();
         let mut owned = A::map(locals, Local::into_owned);
 
-        // 4.
-        let home = home.as_ref().map(|cell| (cell, current));
-        let outputs = self
-            .inner
-            .streams
-            .register(home, body, |cell, state, body| {
-                for (slot, ir) in owned.as_mut().iter_mut().zip(body.inputs()) {
-                    if ir.status != TensorStatus::ReadWrite {
-                        continue;
-                    }
-                    if let Some(handed) = slot.as_mut().and_then(|t| t.inner.get_mut()) {
-                        // The operation owns the id now: this struct must not free it.
-                        handed.armed = false;
-                        state.forget_shared_source(handed.value.id);
-                    }
-                }
-                // The last consumed operand's allocation goes to the first output, and so on.
-                let mut consumed = owned.as_mut().iter_mut().rev().filter_map(|slot| {
-                    slot.take_if(|t| t.inner.get_mut().is_some_and(|handed| !handed.armed))
-                });
-                O::gather(
-                    body.outputs()
-                        .iter()
-                        .map(|out| self.output_tensor(out, cell, consumed.next())),
-                )
+        // 4. (An exiting thread records through the engine's general path.)
+        let streams = &self.inner.streams;
+        let Some(cell) = streams.recording_target(home.as_ref(), current) else {
+            let home = home.as_ref().map(|cell| (cell, current));
+            let outputs = streams.register(home, body, |cell, state, body| {
+                let mut consumed = crate::stream::Consumed::new();
+                let outputs =
+                    self.settle_operands::<O, B>(body, cell, owned.as_mut(), &mut consumed);
+                consumed
+                    .into_iter()
+                    .for_each(|id| state.forget_shared_source(id));
+                outputs
             });
+            drop(owned);
+            return Ok(outputs);
+        };
+        let mut consumed = crate::stream::Consumed::new();
+        let outputs = self.settle_operands::<O, B>(&body, &cell, owned.as_mut(), &mut consumed);
+        streams.record(&cell, body, consumed);
 
         // 5. The read-only owned operands (and consumed ones no output reused) go now.
         drop(owned);
         Ok(outputs)
+    }
+
+    /// Step 4 of [`Self::register`] for the operation `body` recorded on `home`: each
+    /// `ReadWrite` operand is released to the operation (its struct no longer frees the id, which
+    /// goes into `consumed`), and the outputs are built, the last consumed operand's allocation
+    /// going to the first output, and so on. Touches no stream state: the engine settles
+    /// `consumed` when it queues the operation.
+    #[inline(always)]
+    fn settle_operands<O: Gather<FusionTensor<R>>, B: crate::operation::OpBody<R>>(
+        &self,
+        body: &B,
+        home: &Arc<crate::stream::StreamCell<R>>,
+        owned: &mut [Option<FusionTensor<R>>],
+        consumed: &mut crate::stream::Consumed,
+    ) -> O {
+        for (slot, ir) in owned.iter_mut().zip(body.inputs()) {
+            if ir.status != TensorStatus::ReadWrite {
+                continue;
+            }
+            if let Some(handed) = slot.as_mut().and_then(|t| t.inner.get_mut()) {
+                // The operation owns the id now: this struct must not free it.
+                handed.armed = false;
+                consumed.push(handed.value.id);
+            }
+        }
+        let mut recycled = owned.iter_mut().rev().filter_map(|slot| {
+            slot.take_if(|t| t.inner.get_mut().is_some_and(|handed| !handed.armed))
+        });
+        O::gather(
+            body.outputs()
+                .iter()
+                .map(|out| self.output_tensor(out, home, recycled.next())),
+        )
     }
 
     /// The byte length of a tensor of `shape` and `dtype`, if this runtime could ever hold it.

@@ -7,12 +7,14 @@
 //! target stream's inbox instead of taking its lock.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn_backend::StreamId;
 use burn_ir::TensorId;
 
 use super::inbox::{InboxGuard, InboxLock, Mailbox};
 use super::state::{Entry, StreamState};
+use crate::operation::QueuedOp;
 use crate::runtime::StreamRuntime;
 
 std::thread_local! {
@@ -29,15 +31,22 @@ pub(crate) fn in_engine() -> bool {
 }
 
 /// Work handed to a stream by a thread that could not take its lock.
-pub(crate) enum InboxMessage<H> {
+pub(crate) enum InboxMessage<R: StreamRuntime> {
     /// The last live tensor of this id went away: release it (foreign-drop rules).
     Free(TensorId),
     /// Register this entry under a fresh id (a view minted where the lock was unavailable).
-    Register(TensorId, Entry<H>),
+    Register(TensorId, Entry<R::FusionHandle>),
+    /// An operation the stream's own thread recorded while another thread held the lock, with
+    /// the operands it consumed (see [`super::MultiStream::register`]).
+    Record(QueuedOp<R>, Consumed),
 }
 
+/// The ids of the operands an operation consumed (`ReadWrite`): they leave `shared_sources`
+/// when the operation is queued.
+pub(crate) type Consumed = smallvec::SmallVec<[TensorId; 2]>;
+
 impl<R: StreamRuntime> Mailbox for StreamState<R> {
-    type Message = InboxMessage<R::FusionHandle>;
+    type Message = InboxMessage<R>;
 
     fn apply(&mut self, message: Self::Message) {
         match message {
@@ -45,6 +54,7 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
             InboxMessage::Free(_) if self.retired => {}
             InboxMessage::Free(id) => self.foreign_drop(id),
             InboxMessage::Register(id, entry) => self.register_entry(id, entry),
+            InboxMessage::Record(op, consumed) => self.record_posted(op, consumed),
         }
     }
 
@@ -73,6 +83,11 @@ pub(crate) struct StreamCell<R: StreamRuntime> {
     /// Its state's serial (see `StreamState::serial`).
     pub(crate) serial: u64,
     state: InboxLock<StreamState<R>>,
+    /// Records the stream's own thread posted since it last held the lock (only that thread
+    /// reads or writes it): see [`StreamCell::may_post`].
+    posted: AtomicUsize,
+    /// The most it may post in a row: the queue bound (`EngineConfig::max_queue_len`).
+    max_posted: usize,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
@@ -80,7 +95,31 @@ impl<R: StreamRuntime> StreamCell<R> {
         Self {
             id: state.id,
             serial: state.serial,
+            max_posted: state.max_queue_len,
             state: InboxLock::new(state),
+            posted: AtomicUsize::new(0),
+        }
+    }
+
+    /// Whether the stream's own thread, finding the lock taken, may post its record rather than
+    /// wait (counting the post). Posted records are queued but not run by whoever applies them,
+    /// so after a queue bound's worth in a row the thread waits for the lock once, and its next
+    /// record runs what the bound asks for on the thread itself ([`StreamCell::held_by_home`]).
+    #[inline]
+    pub(crate) fn may_post(&self) -> bool {
+        let posted = self.posted.load(Ordering::Relaxed);
+        if posted >= self.max_posted {
+            return false;
+        }
+        self.posted.store(posted + 1, Ordering::Relaxed);
+        true
+    }
+
+    /// The stream's own thread holds the lock: it may post a queue bound's worth again.
+    #[inline]
+    pub(crate) fn held_by_home(&self) {
+        if self.posted.load(Ordering::Relaxed) != 0 {
+            self.posted.store(0, Ordering::Relaxed);
         }
     }
 
@@ -110,7 +149,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     }
 
     /// Hand `message` to this stream without blocking; see [`super::inbox`].
-    pub(crate) fn post(&self, message: InboxMessage<R::FusionHandle>) {
+    pub(crate) fn post(&self, message: InboxMessage<R>) {
         self.state.post(message);
     }
 }

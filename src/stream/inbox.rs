@@ -222,6 +222,40 @@ mod loom_tests {
         });
     }
 
+    /// One poster's messages are applied in the order it posted them, whoever applies them
+    /// (a stream's own thread posts the operations it records while another thread holds the
+    /// lock, and their order is the program's).
+    #[test]
+    fn loom_one_posters_messages_apply_in_order() {
+        loom::model(|| {
+            let cell = Arc::new(InboxLock::new(Applied::default()));
+            let holder = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    let mut guard = cell.lock();
+                    guard.0.push(0);
+                })
+            };
+            let poster = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    cell.post(1);
+                    cell.post(2);
+                })
+            };
+            holder.join().unwrap();
+            poster.join().unwrap();
+            assert_eq!(cell.unapplied(), 0, "a posted message was stranded");
+            let applied = cell.state.lock().0.clone();
+            let posted: Vec<u32> = applied.iter().copied().filter(|&m| m != 0).collect();
+            assert_eq!(
+                posted,
+                vec![1, 2],
+                "applied in the order posted: {applied:?}"
+            );
+        });
+    }
+
     /// A message posted from under another lock (the executor case) while the target is held.
     #[test]
     fn loom_post_while_held_is_applied_by_the_holder() {

@@ -16,13 +16,31 @@ use burn_ir::TensorId;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
-pub(crate) use cell::{InboxMessage, StreamCell, StreamGuard, in_engine};
+pub(crate) use cell::{Consumed, InboxMessage, StreamCell, StreamGuard, in_engine};
 use service::EngineHook;
 pub(crate) use state::{Entry, StreamCounters, StreamState};
 
 use crate::operation::{IntoQueued, OpBody, QueuedOp};
 use crate::runtime::StreamRuntime;
 use crate::{Error, Result};
+
+/// The current stream's cell, as [`MultiStream::recording_target`] finds it: an operand's home,
+/// or the thread's own.
+pub(crate) enum Target<'a, R: StreamRuntime> {
+    Home(&'a Arc<StreamCell<R>>),
+    Found(Arc<StreamCell<R>>),
+}
+
+impl<R: StreamRuntime> std::ops::Deref for Target<'_, R> {
+    type Target = Arc<StreamCell<R>>;
+    #[inline]
+    fn deref(&self) -> &Arc<StreamCell<R>> {
+        match self {
+            Target::Home(cell) => cell,
+            Target::Found(cell) => cell,
+        }
+    }
+}
 
 /// Engine settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +188,10 @@ pub struct EngineStats {
     /// Shares and reads that needed no such wait: their stream had waited for the buffer's
     /// stream since that stream last dispatched anything.
     pub orders_skipped: u64,
+    /// Operations a thread recorded on its own stream while another thread held that stream's
+    /// lock (to share or read one of its tensors): handed over without waiting, and queued in
+    /// order by the lock's holder (see [`MultiStream`], "Recording never waits for a drain").
+    pub ops_posted: u64,
     /// Streams left out of this snapshot because it was taken from inside an executing
     /// operation while their lock was held (always 0 outside the engine).
     pub streams_skipped: usize,
@@ -197,6 +219,7 @@ impl EngineStats {
         self.cut_runs_unfused += c.cut_runs_unfused;
         self.orders += c.orders;
         self.orders_skipped += c.orders_skipped;
+        self.ops_posted += c.ops_posted;
     }
 
     /// Nothing held: no handle, no error record, no pending work, no `shared_sources` entry.
@@ -478,16 +501,95 @@ impl<R: StreamRuntime> MultiStream<R> {
         (home.lock(), true)
     }
 
-    /// Register an operation on the current stream.
+    /// The stream an operation this thread records goes to: `home` (an operand's home stream)
+    /// when it is the current stream, else the current stream's cell. `None` on an exiting
+    /// thread, which records through [`Self::register`] instead.
+    ///
+    /// While the thread is not exiting its stream's state cannot be retired (retirement needs
+    /// the thread's exit hook, which runs only once it is exiting), so [`Self::record`] on the
+    /// cell returned here never meets a stale state.
+    #[inline]
+    pub(crate) fn recording_target<'a>(
+        &self,
+        home: Option<&'a Arc<StreamCell<R>>>,
+        current: StreamId,
+    ) -> Option<Target<'a, R>> {
+        if local::exiting() {
+            return None;
+        }
+        Some(match home {
+            Some(cell) if cell.id == current => Target::Home(cell),
+            _ => Target::Found(self.current()),
+        })
+    }
+
+    /// Record an operation on `cell`, the current stream ([`Self::recording_target`]); `consumed`
+    /// are the operands it consumes (`ReadWrite`), which leave `shared_sources`. Deciding those
+    /// and queueing the operation in one step is what keeps a concurrent last drop on another
+    /// thread from freeing an operand first. If the queue reaches its bound, the stream
+    /// executes what it has (but for a trailing run its fuser still extends:
+    /// [`EngineConfig::max_fused_len`]).
+    ///
+    /// # Recording never waits for a drain
+    ///
+    /// When another thread holds the stream's lock (draining it to share or read one of its
+    /// tensors), the operation is not made to wait: with the operands it consumed it is posted
+    /// to the stream's inbox ([`InboxMessage::Record`]), which the holder applies before it lets
+    /// go — queued in order, behind everything recorded before it and ahead of any later drop or
+    /// share, which all go through the same lock or the same inbox. A producer thread then keeps
+    /// recording while a consumer runs what it needs, where it would otherwise wait out every
+    /// such drain.
+    #[inline]
+    pub(crate) fn record<B: IntoQueued<R>>(
+        &self,
+        cell: &StreamCell<R>,
+        body: B,
+        consumed: cell::Consumed,
+    ) {
+        let _timer = crate::profile::time(crate::profile::Section::Record);
+        match cell.try_lock() {
+            Some(state) => Self::record_locked(cell, state, body, consumed),
+            None => Self::post_record(cell, body, consumed),
+        }
+    }
+
+    /// [`Self::record`] with the lock held.
+    #[inline(always)]
+    fn record_locked<B: IntoQueued<R>>(
+        cell: &StreamCell<R>,
+        mut state: StreamGuard<'_, R>,
+        body: B,
+        consumed: cell::Consumed,
+    ) {
+        cell.held_by_home();
+        debug_assert!(!state.retired, "the current stream of a live thread");
+        for &id in &consumed {
+            state.forget_shared_source(id);
+        }
+        state.counters.ops_registered += 1;
+        state.enqueue(body.into_queued());
+    }
+
+    /// [`Self::record`] while another thread holds the stream's lock: posted, unless a queue
+    /// bound's worth was posted in a row ([`StreamCell::may_post`]); then recorded once the lock
+    /// is free.
+    #[cold]
+    #[inline(never)]
+    fn post_record<B: IntoQueued<R>>(cell: &StreamCell<R>, body: B, consumed: cell::Consumed) {
+        if cell.may_post() {
+            cell.post(InboxMessage::Record(body.into_queued(), consumed));
+        } else {
+            Self::record_locked(cell, cell.lock(), body, consumed);
+        }
+    }
+
+    /// Register an operation on the current stream of an exiting thread (see
+    /// [`Self::recording_target`]).
     ///
     /// `commit` runs first, in the same critical section: it settles the operands (a `ReadWrite`
     /// operand is released to the operation and leaves `shared_sources`) and builds the outputs.
-    /// Then the operation is enqueued; if the queue reaches its bound, the stream executes what
-    /// it has (but for a trailing run its fuser still extends: [`EngineConfig::max_fused_len`]).
-    /// Deciding operand statuses and enqueueing under one lock is what keeps a concurrent
-    /// last drop on another thread from freeing an operand first.
-    ///
-    /// `home` is an operand's home stream, with the current stream's id (see `with_current`).
+    /// Then the operation is enqueued, as [`Self::record`] does. `home` is an operand's home
+    /// stream, with the current stream's id (see `with_current`).
     pub(crate) fn register<B: IntoQueued<R>, T>(
         &self,
         home: Option<(&Arc<StreamCell<R>>, StreamId)>,
@@ -768,7 +870,16 @@ impl<R: StreamRuntime> MultiStream<R> {
             home.post(InboxMessage::Free(id));
             return;
         }
-        home.lock().release_by(id, current);
+        match home.try_lock() {
+            Some(mut state) => state.release_by(id, current),
+            // The home thread's drop, queued behind its records like they are (see `record`,
+            // "Recording never waits for a drain").
+            None if !local::exiting() && home.may_post() => home.post(InboxMessage::Record(
+                QueuedOp::Drop(id),
+                cell::Consumed::from_slice(&[id]),
+            )),
+            None => home.lock().release_by(id, current),
+        }
     }
 
     /// Remove an empty stream's state from the map. Called under that stream's lock; lock order:

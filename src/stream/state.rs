@@ -45,6 +45,7 @@ pub(crate) struct StreamCounters {
     pub(crate) cut_runs_unfused: u64,
     pub(crate) orders: u64,
     pub(crate) orders_skipped: u64,
+    pub(crate) ops_posted: u64,
 }
 
 impl StreamCounters {
@@ -69,6 +70,7 @@ impl StreamCounters {
         self.cut_runs_unfused += other.cut_runs_unfused;
         self.orders += other.orders;
         self.orders_skipped += other.orders_skipped;
+        self.ops_posted += other.ops_posted;
     }
 }
 
@@ -451,6 +453,31 @@ impl<R: StreamRuntime> StreamState<R> {
         if closed || full {
             self.dispatch_queued(closed);
         }
+    }
+
+    /// An operation (or a last drop) this stream's own thread recorded while another thread held
+    /// the lock ([`InboxMessage::Record`](super::cell::InboxMessage::Record)), applied by whoever holds
+    /// it now. It is queued in the order it was recorded, but neither offered to the fuser nor
+    /// dispatched here: the holder is usually another stream's thread, there to share or read a
+    /// tensor, and running this stream's work is the home thread's — its next record offers
+    /// and dispatches it, and a read, share or sync drains it. (The home thread posts at most a
+    /// queue bound's worth in a row: `StreamCell::may_post`.)
+    pub(crate) fn record_posted(&mut self, op: QueuedOp<R>, consumed: super::cell::Consumed) {
+        // The poster was the live home thread, not yet exiting; the exit hook that could retire
+        // this state takes the lock, and so applies this message, first.
+        debug_assert!(!self.retired, "a record posted to a retired stream");
+        for id in consumed {
+            self.forget_shared_source(id);
+        }
+        match op {
+            // A last drop by the home thread (`MultiStream::release`).
+            QueuedOp::Drop(_) => self.counters.home_drops += 1,
+            QueuedOp::Op(_) => {
+                self.counters.ops_registered += 1;
+                self.counters.ops_posted += 1;
+            }
+        }
+        self.queue.push_back(op);
     }
 
     /// [`Self::enqueue`]'s dispatch of a closed run or a full queue.
