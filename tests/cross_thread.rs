@@ -317,3 +317,47 @@ fn the_home_thread_posts_at_most_a_queue_bound_in_a_row() {
     drop((x, held, a, b, d));
     assert_nothing_held(&c);
 }
+
+/// A posted record that reads a tensor, then that tensor's last drop on a third thread (posted
+/// to the same inbox): the free is applied after the record, so it waits for the record's
+/// operation, which reads the right values.
+#[test]
+fn a_foreign_last_drop_after_a_posted_record_waits_for_it() {
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let (entered_tx, entered) = channel();
+    let (release, release_rx) = channel::<()>();
+    let release_rx = std::sync::Mutex::new(release_rx);
+    let held = custom_op(&c, "held open", &x, [2], move |op: &_, handles: &mut _| {
+        entered_tx.send(()).unwrap();
+        release_rx
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(30))
+            .expect("released");
+        pass_through(op, handles)
+    });
+    let before = c.stats();
+    let reader = {
+        let held = held.clone();
+        std::thread::spawn(move || values(&held))
+    };
+    entered
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the reader drains the stream");
+    let y = x.scale(5.0).unwrap(); // posted: the reader holds this stream's lock
+    // The last `x` goes on another thread: its free is posted behind the record.
+    std::thread::spawn(move || drop(x)).join().unwrap();
+    release.send(()).unwrap();
+    assert_eq!(reader.join().unwrap(), vec![1.0, 2.0]);
+    assert_eq!(values(&y), vec![5.0, 10.0]);
+    let after = c.stats();
+    assert_eq!(after.ops_posted - before.ops_posted, 1);
+    assert_eq!(after.foreign_drops - before.foreign_drops, 1);
+    assert_eq!(after.deferred_frees - before.deferred_frees, 1, "{after:?}");
+    drop((held, y));
+    assert_nothing_held(&c);
+}
