@@ -36,8 +36,8 @@ pub(crate) enum InboxMessage<R: StreamRuntime> {
     Free(TensorId),
     /// Register this entry under a fresh id (a view minted where the lock was unavailable).
     Register(TensorId, Entry<R::FusionHandle>),
-    /// An operation the stream's own thread recorded while another thread held the lock, with
-    /// the operands it consumed (see [`super::MultiStream::register`]).
+    /// An operation (or a last drop) the stream's own thread recorded while another thread held
+    /// the lock, with the operands it consumed (see [`super::MultiStream::record`]).
     Record(QueuedOp<R>, Consumed),
 }
 
@@ -103,8 +103,9 @@ impl<R: StreamRuntime> StreamCell<R> {
 
     /// Whether the stream's own thread, finding the lock taken, may post its record rather than
     /// wait (counting the post). Posted records are queued but not run by whoever applies them,
-    /// so after a queue bound's worth in a row the thread waits for the lock once, and its next
-    /// record runs what the bound asks for on the thread itself ([`StreamCell::held_by_home`]).
+    /// so after a queue bound's worth in a row the thread waits for the lock once, and that
+    /// record runs what the bound asks for on the thread itself (the count starts again:
+    /// [`StreamCell::held_by_home`]).
     #[inline]
     pub(crate) fn may_post(&self) -> bool {
         let posted = self.posted.load(Ordering::Relaxed);
