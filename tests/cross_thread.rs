@@ -203,136 +203,30 @@ fn exit_drain_runs_on_a_live_thread_before_join_returns() {
     assert_eq!(values(&out), vec![1.0]);
 }
 
-/// While another thread holds a stream's lock (here: a read from that thread, running the
-/// stream's queue through the tensor it needs, with the executor held open), the stream's own
-/// thread keeps recording: its operations are handed over through the inbox instead of waiting
-/// for the lock, and run in the order they were recorded, consumed operands and drops included.
-/// Before records were posted, the home thread waited out the whole drain (here: forever, as the
-/// executor waits for the home thread; the test's deadline turns that into a failure).
-#[test]
-fn the_home_thread_records_while_another_thread_drains_its_stream() {
-    use std::sync::mpsc::channel;
-    use std::time::Duration;
-
-    let c = client();
-    let x = f32s(&c, &[1.0, 2.0]);
-    let (entered_tx, entered) = channel();
-    let (release, release_rx) = channel::<()>();
-    let release_rx = std::sync::Mutex::new(release_rx);
-    let held = custom_op(&c, "held open", &x, [2], move |op: &_, handles: &mut _| {
-        entered_tx.send(()).unwrap();
-        // A deadlock check, not a timing: the home thread answers at once when it can record.
-        release_rx
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the home thread recorded while its stream was being drained");
-        pass_through(op, handles)
-    });
-    let before = c.stats().ops_posted;
-    let reader = {
-        let held = held.clone();
-        std::thread::spawn(move || values(&held))
-    };
-    entered
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the reader drains the stream");
-
-    // The reader's thread holds this stream's lock now: all of this is posted.
-    let y = x.scale(3.0).unwrap();
-    let z = c
-        .op("consumes y")
-        .consume(y)
-        .output([2], DType::F32)
-        .execute(pass_through)
-        .unwrap()
-        .remove(0);
-    let w = z.scale(2.0).unwrap();
-    drop(x);
-    release.send(()).unwrap();
-
-    assert_eq!(reader.join().unwrap(), vec![1.0, 2.0]);
-    let posted = c.stats().ops_posted - before;
-    assert_eq!(
-        posted, 3,
-        "the three operations were recorded without the lock"
-    );
-    assert_eq!(values(&w), vec![6.0, 12.0]);
-    assert_eq!(values(&z), vec![3.0, 6.0]);
-    drop((held, z, w));
-    assert_nothing_held(&c);
+/// A read on another thread held open inside its executor: while it is held, that thread holds
+/// the stream's lock (it runs the stream's queue through the tensor it reads).
+struct HeldDrain {
+    held: Tensor,
+    reader: std::thread::JoinHandle<Vec<f32>>,
+    /// Lets the executor finish.
+    release: std::sync::mpsc::Sender<()>,
+    /// The engine's counters from before the reader started (taking them while it holds the
+    /// lock would wait for it).
+    before: fusion_streams::EngineStats,
 }
 
-/// A thread posts at most a queue bound's worth of records in a row: the next one waits for the
-/// lock, so that what is pending stays bounded (posted records are never run by whoever applies
-/// them) and the queue's bound is enforced on the home thread itself.
-#[test]
-fn the_home_thread_posts_at_most_a_queue_bound_in_a_row() {
+/// Record a pass-through of `x` whose executor waits to be released, and read it on another
+/// thread; returns once that thread is inside the executor.
+fn hold_drain(c: &Client, x: &Tensor) -> HeldDrain {
     use std::sync::mpsc::channel;
     use std::time::Duration;
 
-    let c = FusionClient::with_config(
-        fusion_streams::host::HostDevice::default(),
-        lazy_config().with_max_queue_len(2),
-    )
-    .unwrap();
-    let x = f32s(&c, &[1.0, 2.0]);
     let (entered_tx, entered) = channel();
     let (release, release_rx) = channel::<()>();
     let release_rx = std::sync::Mutex::new(release_rx);
-    let held = custom_op(&c, "held open", &x, [2], move |op: &_, handles: &mut _| {
+    let held = custom_op(c, "held open", x, [2], move |op: &_, handles: &mut _| {
         entered_tx.send(()).unwrap();
-        release_rx
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(30))
-            .expect("released");
-        pass_through(op, handles)
-    });
-    let before = c.stats().ops_posted;
-    let reader = {
-        let held = held.clone();
-        std::thread::spawn(move || values(&held))
-    };
-    entered
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the reader drains the stream");
-    let a = x.scale(2.0).unwrap();
-    let b = a.scale(2.0).unwrap();
-    // The third waits for the lock: let the reader go once this thread is (very likely) waiting.
-    // Whether or not it got there first, the third record is never posted.
-    let releaser = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(200));
-        release.send(()).unwrap();
-    });
-    let d = b.scale(2.0).unwrap();
-    releaser.join().unwrap();
-    assert_eq!(reader.join().unwrap(), vec![1.0, 2.0]);
-    assert_eq!(
-        c.stats().ops_posted - before,
-        2,
-        "two posted, the third waited"
-    );
-    assert_eq!(values(&d), vec![8.0, 16.0]);
-    drop((x, held, a, b, d));
-    assert_nothing_held(&c);
-}
-
-/// A posted record that reads a tensor, then that tensor's last drop on a third thread (posted
-/// to the same inbox): the free is applied after the record, so it waits for the record's
-/// operation, which reads the right values.
-#[test]
-fn a_foreign_last_drop_after_a_posted_record_waits_for_it() {
-    use std::sync::mpsc::channel;
-    use std::time::Duration;
-
-    let c = client();
-    let x = f32s(&c, &[1.0, 2.0]);
-    let (entered_tx, entered) = channel();
-    let (release, release_rx) = channel::<()>();
-    let release_rx = std::sync::Mutex::new(release_rx);
-    let held = custom_op(&c, "held open", &x, [2], move |op: &_, handles: &mut _| {
-        entered_tx.send(()).unwrap();
+        // A deadlock check, not a timing: whoever releases it does so at once when it can.
         release_rx
             .lock()
             .unwrap()
@@ -348,16 +242,105 @@ fn a_foreign_last_drop_after_a_posted_record_waits_for_it() {
     entered
         .recv_timeout(Duration::from_secs(30))
         .expect("the reader drains the stream");
+    HeldDrain {
+        held,
+        reader,
+        release,
+        before,
+    }
+}
+
+/// While another thread holds a stream's lock (here: a read from that thread, running the
+/// stream's queue through the tensor it needs, with the executor held open), the stream's own
+/// thread keeps recording: its operations are handed over through the inbox instead of waiting
+/// for the lock, and run in the order they were recorded, consumed operands and drops included.
+/// Before records were posted, the home thread waited out the whole drain (here: forever, as the
+/// executor waits for the home thread; its deadline turns that into a failure).
+#[test]
+fn the_home_thread_records_while_another_thread_drains_its_stream() {
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let drain = hold_drain(&c, &x);
+
+    // The reader's thread holds this stream's lock now: all of this is posted.
+    let y = x.scale(3.0).unwrap();
+    let z = c
+        .op("consumes y")
+        .consume(y)
+        .output([2], DType::F32)
+        .execute(pass_through)
+        .unwrap()
+        .remove(0);
+    let w = z.scale(2.0).unwrap();
+    drop(x);
+    drain.release.send(()).unwrap();
+
+    assert_eq!(drain.reader.join().unwrap(), vec![1.0, 2.0]);
+    let posted = c.stats().ops_posted - drain.before.ops_posted;
+    assert_eq!(
+        posted, 3,
+        "the three operations were recorded without the lock"
+    );
+    assert_eq!(values(&w), vec![6.0, 12.0]);
+    assert_eq!(values(&z), vec![3.0, 6.0]);
+    drop((drain.held, z, w));
+    assert_nothing_held(&c);
+}
+
+/// A thread posts at most a queue bound's worth of records in a row: the next one waits for the
+/// lock, so that what is pending stays bounded (posted records are never run by whoever applies
+/// them) and the queue's bound is enforced on the home thread itself.
+#[test]
+fn the_home_thread_posts_at_most_a_queue_bound_in_a_row() {
+    use std::time::Duration;
+
+    let c = FusionClient::with_config(
+        fusion_streams::host::HostDevice::default(),
+        lazy_config().with_max_queue_len(2),
+    )
+    .unwrap();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let drain = hold_drain(&c, &x);
+    let a = x.scale(2.0).unwrap();
+    let b = a.scale(2.0).unwrap();
+    // The third waits for the lock: let the reader go once this thread is (very likely) waiting.
+    // Whether or not it got there first, the third record is never posted.
+    let release = drain.release.clone();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        release.send(()).unwrap();
+    });
+    let d = b.scale(2.0).unwrap();
+    releaser.join().unwrap();
+    assert_eq!(drain.reader.join().unwrap(), vec![1.0, 2.0]);
+    assert_eq!(
+        c.stats().ops_posted - drain.before.ops_posted,
+        2,
+        "two posted, the third waited"
+    );
+    assert_eq!(values(&d), vec![8.0, 16.0]);
+    drop((x, drain.held, a, b, d));
+    assert_nothing_held(&c);
+}
+
+/// A posted record that reads a tensor, then that tensor's last drop on a third thread (posted
+/// to the same inbox): the free is applied after the record, so it waits for the record's
+/// operation, which reads the right values.
+#[test]
+fn a_foreign_last_drop_after_a_posted_record_waits_for_it() {
+    let c = client();
+    let x = f32s(&c, &[1.0, 2.0]);
+    let drain = hold_drain(&c, &x);
     let y = x.scale(5.0).unwrap(); // posted: the reader holds this stream's lock
     // The last `x` goes on another thread: its free is posted behind the record.
     std::thread::spawn(move || drop(x)).join().unwrap();
-    release.send(()).unwrap();
-    assert_eq!(reader.join().unwrap(), vec![1.0, 2.0]);
+    drain.release.send(()).unwrap();
+    assert_eq!(drain.reader.join().unwrap(), vec![1.0, 2.0]);
     assert_eq!(values(&y), vec![5.0, 10.0]);
-    let after = c.stats();
+    let (before, after) = (drain.before, c.stats());
     assert_eq!(after.ops_posted - before.ops_posted, 1);
     assert_eq!(after.foreign_drops - before.foreign_drops, 1);
     assert_eq!(after.deferred_frees - before.deferred_frees, 1, "{after:?}");
-    drop((held, y));
+    drop((drain.held, y));
     assert_nothing_held(&c);
 }

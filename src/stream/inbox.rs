@@ -191,6 +191,15 @@ mod loom_tests {
         }
     }
 
+    /// A thread that takes the lock and applies message 0 itself.
+    fn spawn_holder(cell: &Arc<InboxLock<Applied>>) -> thread::JoinHandle<()> {
+        let cell = cell.clone();
+        thread::spawn(move || {
+            let mut guard = cell.lock();
+            guard.0.push(0);
+        })
+    }
+
     /// Two posters race a holder: once every thread has finished, both messages have been
     /// applied exactly once, and nothing is left in the inbox, without anyone taking the lock
     /// afterwards.
@@ -198,13 +207,7 @@ mod loom_tests {
     fn loom_inbox_strands_no_message() {
         loom::model(|| {
             let cell = Arc::new(InboxLock::new(Applied::default()));
-            let holder = {
-                let cell = cell.clone();
-                thread::spawn(move || {
-                    let mut guard = cell.lock();
-                    guard.0.push(0);
-                })
-            };
+            let holder = spawn_holder(&cell);
             let posters: Vec<_> = [1, 2]
                 .into_iter()
                 .map(|m| {
@@ -229,13 +232,7 @@ mod loom_tests {
     fn loom_one_posters_messages_apply_in_order() {
         loom::model(|| {
             let cell = Arc::new(InboxLock::new(Applied::default()));
-            let holder = {
-                let cell = cell.clone();
-                thread::spawn(move || {
-                    let mut guard = cell.lock();
-                    guard.0.push(0);
-                })
-            };
+            let holder = spawn_holder(&cell);
             let poster = {
                 let cell = cell.clone();
                 thread::spawn(move || {
