@@ -510,14 +510,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// [`StreamState::drain`] for the current thread: a drain by another stream's thread is
     /// [foreign](crate::runtime::Cut::Foreign) to the runs it cuts here.
     pub(crate) fn drain_here(&mut self) {
-        use crate::runtime::Cut;
-        self.cut = if StreamId::current() == self.id {
-            Cut::Own
-        } else {
-            Cut::Foreign
-        };
-        self.drain();
-        self.cut = Cut::Own;
+        self.cut_by_current_thread(Self::drain);
     }
 
     /// Make sure `id` is produced, draining if its producer is still queued (for the current
@@ -533,13 +526,26 @@ impl<R: StreamRuntime> StreamState<R> {
             Some(at) if StreamId::current() != self.id => {
                 self.counters.drains += 1;
                 tracing::trace!(stream = %self.id, ops = at + 1, left = self.queue.len() - at - 1, "drain through a shared tensor");
-                self.cut = crate::runtime::Cut::Foreign;
-                self.execute_through(at + 1);
-                self.cut = crate::runtime::Cut::Own;
+                self.cut_by_current_thread(|state| state.execute_through(at + 1));
             }
             _ => self.drain_here(),
         }
         true
+    }
+
+    /// Run `drain` with the runs it cuts marked as cut by the current thread:
+    /// [own](crate::runtime::Cut::Own) on the home thread, [foreign](crate::runtime::Cut::Foreign)
+    /// on any other. (The service thread calls [`StreamState::drain`] itself: it drains for the
+    /// home thread, so its cuts count as the home's own.)
+    fn cut_by_current_thread(&mut self, drain: impl FnOnce(&mut Self)) {
+        use crate::runtime::Cut;
+        self.cut = if StreamId::current() == self.id {
+            Cut::Own
+        } else {
+            Cut::Foreign
+        };
+        drain(self);
+        self.cut = Cut::Own;
     }
 
     /// The queue index of the operation that produces `id`, if one is queued.
