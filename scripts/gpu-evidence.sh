@@ -25,6 +25,13 @@
 #   ./scripts/gpu-evidence.sh solo [DIR]        # attention/128 and softmax/64 alone per contender
 #                                               # (the same four), 7 rounds each, with the split;
 #                                               # after a bench run has warmed the autotune cache
+#   ./scripts/gpu-evidence.sh targets [DIR]     # issue 28's CUDA rows in one process (the full
+#                                               # backend bench with the ceiling, 5 rounds,
+#                                               # verbose), then pipeline alone with section
+#                                               # times, and with a queue bound of 128
+#   ./scripts/gpu-evidence.sh host16 [DIR]      # NdArray's chain and MLP-thread rows on the
+#                                               # machine's cores, and the engine bench's one
+#                                               # stream against burn-fusion, twice
 #   ./scripts/gpu-evidence.sh host-profile [DIR] # host instructions per repetition of softmax/64,
 #                                               # attention/128 and layer-norm/64 under callgrind,
 #                                               # per contender (valgrind staged by
@@ -38,6 +45,10 @@ mkdir -p "$out"
 export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}
 cs=/usr/local/cuda/bin/compute-sanitizer
+# Binaries packed by `scripts/gpu-tests.sh --pack` (the device tool's carry limit).
+if [ ! -d gpu-bin ] && [ -f gpu-run/bin.tar.xz ]; then
+    mkdir -p gpu-bin && xz -dc gpu-run/bin.tar.xz | tar -C gpu-bin -xf -
+fi
 # The two fault tests (memory exhausted, a kernel that traps) lose the device on purpose, each in
 # a child process: not under the sanitizers, which would report the fault itself.
 skip=(--skip device_out_of_memory --skip a_device_fault_after_publish)
@@ -146,6 +157,27 @@ performance)
 bench-full)
     # The backend benchmark in full (with the device-thread ceiling).
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
+    ;;
+targets)
+    # Every row of issue 28's first and third targets, side by side in one process, with what
+    # the engine did per call (about 5 minutes on an H200); then the pipeline rows alone with
+    # the engine's section times, and with a queue bound (and so a posting bound) of 128.
+    FUSION_STREAMS_BENCH_ROUNDS=5 FUSION_STREAMS_BENCH_VERBOSE=1 \
+        step bench-full-verbose ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_ROUNDS=5 FUSION_STREAMS_BENCH_VERBOSE=1 \
+        FUSION_STREAMS_BENCH_PROFILE=1 step pipeline-profile ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_ROUNDS=5 \
+        FUSION_STREAMS_BENCH_QUEUE_LEN=128 step pipeline-queue128 ./gpu-bin/bench-backend --bench
+    ;;
+host16)
+    # Issue 28's second target on the machine's cores: NdArray's 1,000-op chains and the small
+    # MLP at 1-16 threads against plain NdArray, then the engine bench's one stream against
+    # burn-fusion (mock runtime), in two processes.
+    FUSION_STREAMS_BENCH_ONLY=chain/,threads/ FUSION_STREAMS_BENCH_ROUNDS=7 \
+        step ndarray-chain-threads ./gpu-bin/bench-backend-ndarray --bench
+    for run in 1 2; do
+        step "engine-throughput-$run" ./gpu-bin/engine --bench throughput
+    done
     ;;
 attention)
     # Where the fused attention step loses at 512 positions (docs/BENCHMARKS.md, "Attention at

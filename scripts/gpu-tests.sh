@@ -18,8 +18,16 @@
 #   ./gpu-bin/publish --ignored --test-threads=1                      # publication on StreamFusion
 #   ./gpu-bin/burn_multi_thread                                       # the burn example on CUDA
 #   ./gpu-bin/bench-backend --bench                                   # vs CubeBackend, burn-fusion
+#   ./gpu-bin/bench-backend-ndarray --bench                           # the same on NdArray (the
+#                                                                   # host's cores)
 # (scripts/gpu-evidence.sh runs these in sets and writes a log per step.)
+#
+# With `--pack`, the stripped binaries are also packed into gpu-run/bin.tar.xz (xz shrinks them
+# ~6x), which fits the device tool's 64 MiB carry where gpu-bin/ does not: carry `gpu-run`, and
+# scripts/gpu-evidence.sh unpacks it into gpu-bin/ on the GPU machine before its first step.
 set -euo pipefail
+pack=false
+[ "${1:-}" = "--pack" ] && pack=true
 cd "$(dirname "$0")/.."
 # cudarc picks its driver bindings at build time; without a toolkit here, pin CUDA 13.0 (the
 # H200 machine's driver) instead of the newest.
@@ -44,6 +52,9 @@ cargo bench --features cuda --bench engine --no-run 2>&1 | tee "$log"
 bench_bin=$(grep -o 'target/release/deps/engine-[0-9a-f]*' "$log" | tail -n 1)
 cargo bench --features cuda --bench transfer --no-run 2>&1 | tee "$log"
 transfer_bin=$(grep -o 'target/release/deps/transfer-[0-9a-f]*' "$log" | tail -n 1)
+# The backend bench without `cuda`: NdArray's rows, for the GPU machine's 16 cores.
+cargo bench --bench backend --no-run 2>&1 | tee "$log"
+bench_ndarray_bin=$(grep -o 'target/release/deps/backend-[0-9a-f]*' "$log" | tail -n 1)
 
 cp "$test_bin" gpu-bin/device
 cp target/release/examples/quickstart gpu-bin/quickstart
@@ -57,6 +68,12 @@ cp "$suite_backend_bin" gpu-bin/suite_backend
 cp "$publish_bin" gpu-bin/publish
 cp target/release/examples/burn_multi_thread gpu-bin/burn_multi_thread
 cp "$bench_backend_bin" gpu-bin/bench-backend
+cp "$bench_ndarray_bin" gpu-bin/bench-backend-ndarray
 strip gpu-bin/*
 ls -la gpu-bin
+if $pack; then
+    mkdir -p gpu-run
+    tar -C gpu-bin -cf - . | xz -T0 -6 > gpu-run/bin.tar.xz
+    ls -la gpu-run/bin.tar.xz
+fi
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"
