@@ -409,15 +409,32 @@ pub(crate) trait Take<H> {
 
 /// Where a run function takes its operands from: the stream's handles, or a fused kernel's
 /// container (its fallbacks).
-pub(crate) trait Source<H> {
+pub(crate) trait Source<H: Clone> {
     /// `ir`'s handle (see [`crate::operation::StreamHandles::take`]).
     fn take_handle(&mut self, ir: &TensorIr) -> Option<H>;
+
+    /// `ir`'s handle with its shape, taken for an operation (its shape copied the cheap way).
+    #[inline(always)]
+    fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H> {
+        match self.take_handle(ir) {
+            Some(handle) => TensorHandle {
+                handle,
+                shape: crate::small::copy_shape(&ir.shape),
+            },
+            None => crate::operation::missing_handle(ir),
+        }
+    }
 }
 
 impl<H: Clone> Source<H> for crate::operation::StreamHandles<H> {
     #[inline(always)]
     fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
         self.take(ir)
+    }
+
+    #[inline(always)]
+    fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H> {
+        crate::operation::StreamHandles::take_tensor(self, ir)
     }
 }
 
@@ -430,27 +447,14 @@ impl<H: Clone> Source<H> for HandleContainer<H> {
 
 impl<H: Clone, S: Source<H>> Take<H> for S {
     fn take_float<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::FloatTensorPrimitive {
-        B::float_tensor(tensor_handle(self, ir))
+        B::float_tensor(self.take_tensor(ir))
     }
 
     fn take_int<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::IntTensorPrimitive {
-        B::int_tensor(tensor_handle(self, ir))
+        B::int_tensor(self.take_tensor(ir))
     }
 
     fn take_bool<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive {
-        B::bool_tensor(tensor_handle(self, ir))
-    }
-}
-
-/// `ir`'s handle with its shape, taken for an operation (see
-/// [`crate::operation::StreamHandles::take`]; its shape copied the cheap way).
-#[inline(always)]
-fn tensor_handle<H: Clone, S: Source<H>>(handles: &mut S, ir: &TensorIr) -> TensorHandle<H> {
-    match handles.take_handle(ir) {
-        Some(handle) => TensorHandle {
-            handle,
-            shape: crate::small::copy_shape(&ir.shape),
-        },
-        None => crate::operation::missing_handle(ir),
+        B::bool_tensor(self.take_tensor(ir))
     }
 }

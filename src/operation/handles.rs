@@ -122,6 +122,26 @@ impl<H: Clone> StreamHandles<H> {
         take_from(&mut self.map, ir)
     }
 
+    /// `ir`'s handle with its shape, taken for an operation as [`Self::take`] does.
+    ///
+    /// The carried handle of a chain is moved straight into the `TensorHandle`: through
+    /// `take`'s `Option` it was copied twice on the way (a backend handle is 100–360 bytes).
+    #[inline(always)]
+    pub(crate) fn take_tensor(&mut self, ir: &TensorIr) -> burn_ir::TensorHandle<H> {
+        let shape = crate::small::copy_shape(&ir.shape);
+        if ir.status == TensorStatus::ReadWrite
+            && let Some((carried, _)) = &self.carried
+            && *carried == ir.id
+            && let Some((_, handle)) = self.carried.take()
+        {
+            return burn_ir::TensorHandle { handle, shape };
+        }
+        match self.take(ir) {
+            Some(handle) => burn_ir::TensorHandle { handle, shape },
+            None => missing_handle(ir),
+        }
+    }
+
     /// burn's `HandleContainer::register_float_tensor`, carried.
     #[inline]
     pub(crate) fn register_float_tensor<B: BackendIr<Handle = H>>(
@@ -237,5 +257,41 @@ mod tests {
         assert_eq!(map.get_handle_ref(&TensorId::new(4)), Some(&41));
         assert_eq!(handles.take(&ir(1, TensorStatus::ReadWrite)), Some(10));
         assert_eq!(handles.num_handles(), 1);
+    }
+
+    #[test]
+    fn a_tensor_is_taken_with_its_shape_from_the_slot_and_from_the_map() {
+        let mut handles = StreamHandles::<u32>::default();
+        handles.register_handle(TensorId::new(1), 10);
+        handles.carry(TensorId::new(2), 20);
+        let taken = |handles: &mut StreamHandles<u32>, id, status| {
+            let t = handles.take_tensor(&ir(id, status));
+            (t.handle, t.shape)
+        };
+
+        // Read: cloned in place, wherever it is.
+        assert_eq!(
+            taken(&mut handles, 2, TensorStatus::ReadOnly),
+            (20, Shape::new([1]))
+        );
+        assert_eq!(
+            taken(&mut handles, 1, TensorStatus::ReadOnly),
+            (10, Shape::new([1]))
+        );
+        assert_eq!(handles.num_handles(), 2);
+
+        // Consumed: moved out, from the slot and from the map.
+        assert_eq!(taken(&mut handles, 2, TensorStatus::ReadWrite).0, 20);
+        assert!(!handles.has_handle(&TensorId::new(2)));
+        assert_eq!(taken(&mut handles, 1, TensorStatus::ReadWrite).0, 10);
+        assert_eq!(handles.num_handles(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "no handle for tensor")]
+    fn a_tensor_without_a_handle_is_a_broken_invariant() {
+        let mut handles = StreamHandles::<u32>::default();
+        handles.carry(TensorId::new(2), 20);
+        handles.take_tensor(&ir(3, TensorStatus::ReadWrite));
     }
 }
