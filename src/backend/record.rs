@@ -410,28 +410,12 @@ pub(crate) trait Take<H> {
 /// Where a run function takes its operands from: the stream's handles, or a fused kernel's
 /// container (its fallbacks).
 pub(crate) trait Source<H: Clone> {
-    /// `ir`'s handle (see [`crate::operation::StreamHandles::take`]).
-    fn take_handle(&mut self, ir: &TensorIr) -> Option<H>;
-
-    /// `ir`'s handle with its shape, taken for an operation (its shape copied the cheap way).
-    #[inline(always)]
-    fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H> {
-        match self.take_handle(ir) {
-            Some(handle) => TensorHandle {
-                handle,
-                shape: crate::small::copy_shape(&ir.shape),
-            },
-            None => crate::operation::missing_handle(ir),
-        }
-    }
+    /// `ir`'s handle with its shape, taken for an operation as
+    /// [`crate::operation::StreamHandles::take`] does (its shape copied the cheap way).
+    fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H>;
 }
 
 impl<H: Clone> Source<H> for crate::operation::StreamHandles<H> {
-    #[inline(always)]
-    fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
-        self.take(ir)
-    }
-
     #[inline(always)]
     fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H> {
         crate::operation::StreamHandles::take_tensor(self, ir)
@@ -440,8 +424,14 @@ impl<H: Clone> Source<H> for crate::operation::StreamHandles<H> {
 
 impl<H: Clone> Source<H> for HandleContainer<H> {
     #[inline]
-    fn take_handle(&mut self, ir: &TensorIr) -> Option<H> {
-        crate::operation::take_from(self, ir)
+    fn take_tensor(&mut self, ir: &TensorIr) -> TensorHandle<H> {
+        match crate::operation::take_from(self, ir) {
+            Some(handle) => TensorHandle {
+                handle,
+                shape: crate::small::copy_shape(&ir.shape),
+            },
+            None => crate::operation::missing_handle(ir),
+        }
     }
 }
 
