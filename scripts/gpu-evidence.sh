@@ -29,6 +29,9 @@
 #                                               # backend bench with the ceiling, 5 rounds,
 #                                               # verbose), then pipeline alone with section
 #                                               # times, and with a queue bound of 128
+#   ./scripts/gpu-evidence.sh cut-sightings [DIR] # the pipeline rows (15 rounds, verbose) with a
+#                                               # thread's own cut runs fused from their 2nd
+#                                               # sighting (the default), their 8th, and never
 #   ./scripts/gpu-evidence.sh host16 [DIR]      # NdArray's chain and MLP-thread rows on the
 #                                               # machine's cores, and the engine bench's one
 #                                               # stream against burn-fusion, twice
@@ -168,6 +171,17 @@ targets)
         FUSION_STREAMS_BENCH_PROFILE=1 step pipeline-profile ./gpu-bin/bench-backend --bench
     FUSION_STREAMS_BENCH_ONLY=pipeline FUSION_STREAMS_BENCH_ROUNDS=5 \
         FUSION_STREAMS_BENCH_QUEUE_LEN=128 step pipeline-queue128 ./gpu-bin/bench-backend --bench
+    ;;
+cut-sightings)
+    # Whether the final reads of `pipeline/1` that take 16-250 ms (docs/BENCHMARKS.md, "Records
+    # posted while another thread drains, measured") wait behind the compilation of a kernel for
+    # a cut run met for the second time, and what fusing own cuts later or never costs those rows
+    # (FUSION_STREAMS_CUBE_CUT_SIGHTINGS; about 40 s each).
+    for n in 2 8 0; do
+        FUSION_STREAMS_CUBE_CUT_SIGHTINGS=$n FUSION_STREAMS_BENCH_ONLY=pipeline \
+            FUSION_STREAMS_BENCH_VERBOSE=1 step "pipeline-cut-sightings-$n" \
+            timeout 120 ./gpu-bin/bench-backend --bench
+    done
     ;;
 host16)
     # Issue 28's second target on the machine's cores: NdArray's 1,000-op chains and the small
