@@ -35,6 +35,9 @@
 #   ./scripts/gpu-evidence.sh host16 [DIR]      # NdArray's chain and MLP-thread rows on the
 #                                               # machine's cores, and the engine bench's one
 #                                               # stream against burn-fusion, twice
+#   ./scripts/gpu-evidence.sh pipeline-host [DIR] # pipeline/1 alone per contender under
+#                                               # callgrind, per thread, with system-call time
+#                                               # (GPU_TESTS_SYMBOLS=1 build, staged valgrind)
 #   ./scripts/gpu-evidence.sh host-profile [DIR] # host instructions per repetition of softmax/64,
 #                                               # attention/128 and layer-norm/64 under callgrind,
 #                                               # per contender (valgrind staged by
@@ -51,6 +54,10 @@ cs=/usr/local/cuda/bin/compute-sanitizer
 # Binaries packed by `scripts/gpu-tests.sh --pack` (the device tool's carry limit).
 if [ ! -d gpu-bin ] && [ -f gpu-run/bin.tar.xz ]; then
     mkdir -p gpu-bin && xz -dc gpu-run/bin.tar.xz | tar -C gpu-bin -xf -
+fi
+# The backend bench with its symbol table (GPU_TESTS_SYMBOLS=1), for the callgrind steps.
+if [ ! -f gpu-bin/bench-backend-syms ] && [ -f gpu-run/bench-syms.xz ]; then
+    xz -dc gpu-run/bench-syms.xz > gpu-bin/bench-backend-syms && chmod +x gpu-bin/bench-backend-syms
 fi
 # The two fault tests (memory exhausted, a kernel that traps) lose the device on purpose, each in
 # a child process: not under the sanitizers, which would report the fault itself.
@@ -212,8 +219,8 @@ solo)
 host-profile)
     # The host's instructions per repetition (docs/BENCHMARKS.md, "Host work per repetition on
     # CUDA"): callgrind from $VALGRIND_DIR (default gpu-run/valgrind, staged by
-    # scripts/stage-valgrind.sh) on gpu-bin/bench-backend, which must keep its symbol table
-    # (`strip --strip-debug`, not `strip`). One callgrind record per round of a row
+    # scripts/stage-valgrind.sh) on gpu-bin/bench-backend-syms, which keeps its symbol table
+    # (GPU_TESTS_SYMBOLS=1 scripts/gpu-tests.sh). One callgrind record per round of a row
     # (`--dump-after` the bench's `Phases::report`). A native round of each contender first fills
     # cubecl's autotune and PTX caches (kept under target/ by the cubecl.toml written here), so
     # the records hold no compilation or tuning.
@@ -222,13 +229,34 @@ host-profile)
     printf '[compilation]\ncache = "target"\n' > cubecl.toml
     for who in plain ours unfused; do
         FUSION_STREAMS_BENCH_ONLY=$rows FUSION_STREAMS_BENCH_SOLO=$who FUSION_STREAMS_BENCH_ROUNDS=1 \
-            step "warm-$who" timeout 150 ./gpu-bin/bench-backend --bench
+            step "warm-$who" timeout 150 ./gpu-bin/bench-backend-syms --bench
     done
     for who in plain ours unfused; do
         VALGRIND_LIB=$PWD/$vg FUSION_STREAMS_BENCH_ONLY=$rows FUSION_STREAMS_BENCH_SOLO=$who \
             FUSION_STREAMS_BENCH_ROUNDS=2 step "callgrind-$who" timeout 300 "$vg/valgrind" \
             --tool=callgrind --dump-after='*Phases*report*' --callgrind-out-file="$out/cg-$who.out" \
-            ./gpu-bin/bench-backend --bench &
+            ./gpu-bin/bench-backend-syms --bench &
+    done
+    wait
+    ;;
+pipeline-host)
+    # Where the host's time goes in pipeline/1 (docs/BENCHMARKS.md, "Exit cuts"): each
+    # contender alone under callgrind, one record per thread (the producer, the consumer,
+    # cubecl's device thread), with the time spent in system calls (a wait on a lock or on
+    # another thread is a futex call). A native round of each first fills cubecl's kernel cache
+    # on disk, so the records hold no compilation.
+    vg=${VALGRIND_DIR:-gpu-run/valgrind}
+    bin=./gpu-bin/bench-backend-syms
+    printf '[compilation]\ncache = "target"\n' > cubecl.toml
+    for who in ours plain; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=3 step "pipeline-warm-$who" timeout 100 $bin --bench
+    done
+    for who in ours plain; do
+        VALGRIND_LIB=$PWD/$vg FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=4 step "pipeline-callgrind-$who" timeout 300 "$vg/valgrind" \
+            --tool=callgrind --separate-threads=yes --collect-systime=nsec \
+            --callgrind-out-file="$out/cg-pipe-$who.out" $bin --bench &
     done
     wait
     ;;

@@ -71,11 +71,21 @@ cp "$publish_bin" gpu-bin/publish
 cp target/release/examples/burn_multi_thread gpu-bin/burn_multi_thread
 cp "$bench_backend_bin" gpu-bin/bench-backend
 cp "$bench_ndarray_bin" gpu-bin/bench-backend-ndarray
-strip gpu-bin/*
+# With GPU_TESTS_SYMBOLS=1, the CUDA backend bench also keeps its symbol table, beside the
+# others and packed on its own (gpu-run/bench-syms.xz, ~10 MB): scripts/gpu-evidence.sh's
+# `host-profile` and `pipeline-host` steps run it under callgrind.
+if [ -n "${GPU_TESTS_SYMBOLS:-}" ]; then
+    strip --strip-debug -o gpu-bin/bench-backend-syms "$bench_backend_bin"
+fi
+find gpu-bin -type f ! -name '*-syms' -exec strip {} +
 ls -la gpu-bin
 if $pack; then
     mkdir -p gpu-run
-    tar -C gpu-bin -cf - . | xz -T1 --lzma2=preset=6,dict=256MiB > gpu-run/bin.tar.xz
+    tar -C gpu-bin --exclude='*-syms' -cf - . | xz -T1 --lzma2=preset=6,dict=256MiB > gpu-run/bin.tar.xz
     ls -la gpu-run/bin.tar.xz
+    if [ -f gpu-bin/bench-backend-syms ]; then
+        xz -T1 -c gpu-bin/bench-backend-syms > gpu-run/bench-syms.xz
+        ls -la gpu-run/bench-syms.xz
+    fi
 fi
 echo "staged in gpu-bin/ (carry it to the GPU machine; see the comment at the top of this script)"

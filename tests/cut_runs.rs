@@ -157,3 +157,34 @@ fn another_threads_share_runs_the_queue_only_through_its_tensor() {
     assert_eq!(consumed, (y + 1.0).into_data());
     assert_eq!(own, z.into_data());
 }
+
+/// A thread that exits with a run still open leaves it to the engine's service thread, and that
+/// cut counts as foreign: a thread exits once, at a point its last drain decided (on a producer,
+/// another thread's share), so a kernel built for the run would seldom run again.
+#[test]
+fn a_threads_exit_cuts_as_foreign() {
+    let _turn = TURN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let client = client();
+    let x = input::<Ours>();
+    let _ = x.clone().into_data(); // nothing of the main thread's left queued
+    let before = client.stats();
+    CUTS.lock().unwrap().clear();
+    // Two operations recorded on the spawned thread's stream, nothing read there: its exit
+    // drains them.
+    let y = std::thread::spawn(move || (x * 2.0) + 1.0).join().unwrap();
+    let cuts = CUTS.lock().unwrap().clone();
+    let whose: Vec<Cut> = cuts.iter().map(|(cut, _)| *cut).collect();
+    assert_eq!(whose, [Cut::Foreign], "{cuts:?}");
+    assert!(cuts[0].1 >= 2, "{cuts:?}");
+    let after = client.stats();
+    assert_eq!(
+        after.cut_runs_unfused - before.cut_runs_unfused,
+        1,
+        "{after:?}"
+    );
+
+    let want = (input::<Plain>() * 2.0 + 1.0).into_data();
+    assert_eq!(y.into_data(), want);
+}

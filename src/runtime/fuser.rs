@@ -81,11 +81,12 @@ pub trait Fuser<R: StreamRuntime>: Send {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Cut {
-    /// The stream's own thread (a read, a sync), or the engine's service thread (a thread's
-    /// exit, a deferred free's deadline): where it cuts repeats when the program does.
+    /// The stream's own thread (a read, a sync): where it cuts repeats when the program does.
     #[default]
     Own,
     /// Another thread, sharing or reading one of the stream's tensors, or draining it by id:
-    /// where it cuts depends on when that thread came.
+    /// where it cuts depends on when that thread came. Also the engine's service thread (a
+    /// thread's exit, a deferred free's deadline): a deadline comes when the clock says, and a
+    /// thread's exit cuts the run its last drain left open, once.
     Foreign,
 }

@@ -934,7 +934,7 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         if state.retired {
             return;
         }
-        state.drain();
+        state.drain_for_service();
         state.orphaned = true;
         state.retire_if_orphan_empty();
     }
@@ -944,7 +944,7 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
             return;
         };
         let mut state = cell.lock();
-        state.drain();
+        state.drain_for_service();
         state.retire_if_orphan_empty();
     }
 
@@ -959,7 +959,7 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         }
         state.counters.deferred_flushes += 1;
         tracing::debug!(%stream, "deferred free outlived its bound: the service thread runs the stream");
-        state.drain();
+        state.drain_for_service();
         state.retire_if_orphan_empty();
     }
 }

@@ -535,17 +535,32 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Run `drain` with the runs it cuts marked as cut by the current thread:
     /// [own](crate::runtime::Cut::Own) on the home thread, [foreign](crate::runtime::Cut::Foreign)
-    /// on any other. (The service thread calls [`StreamState::drain`] itself: it drains for the
-    /// home thread, so its cuts count as the home's own.)
+    /// on any other.
     fn cut_by_current_thread(&mut self, drain: impl FnOnce(&mut Self)) {
         use crate::runtime::Cut;
-        self.cut = if StreamId::current() == self.id {
+        let cut = if StreamId::current() == self.id {
             Cut::Own
         } else {
             Cut::Foreign
         };
+        self.drain_cutting_as(cut, drain);
+    }
+
+    /// The engine's service thread drains the stream: for its exiting thread, or at a deferred
+    /// free's deadline. The runs it cuts count as [foreign](crate::runtime::Cut::Foreign): a
+    /// deadline comes when the clock says, and a thread exits once, where its last run was cut
+    /// open by whatever came before — by other threads' shares, on a producer — so a kernel
+    /// built for that run would seldom run again (compiling one for the exit of a producer whose
+    /// results a consumer shares took 16–300 ms of the consumer's next read on the H200:
+    /// docs/BENCHMARKS.md, "Exit cuts").
+    pub(crate) fn drain_for_service(&mut self) {
+        self.drain_cutting_as(crate::runtime::Cut::Foreign, Self::drain);
+    }
+
+    fn drain_cutting_as(&mut self, cut: crate::runtime::Cut, drain: impl FnOnce(&mut Self)) {
+        self.cut = cut;
         drain(self);
-        self.cut = Cut::Own;
+        self.cut = crate::runtime::Cut::Own;
     }
 
     /// The queue index of the operation that produces `id`, if one is queued.

@@ -36,7 +36,8 @@ pub const CUT_SIGHTINGS_ENV: &str = "FUSION_STREAMS_CUBE_CUT_SIGHTINGS";
 pub(super) const DEFAULT_CUT_SIGHTINGS: u32 = 2;
 
 /// [`CUT_SIGHTINGS_ENV`] for runs cut by another thread's drain: a share of one of the stream's
-/// tensors, a read of one from another thread ([`crate::runtime::Cut::Foreign`]). Unset, it is
+/// tensors, a read of one from another thread, or by the engine's service thread: a thread's
+/// exit, a deferred free's deadline ([`crate::runtime::Cut::Foreign`]). Unset, it is
 /// 0: such a run executes operation by operation unless the stream has built its kernel
 /// already (it closed the same run before).
 ///

@@ -49,10 +49,12 @@
 //! fused. A run its own thread's drain cuts while it is still open (a read, a sync) is fused
 //! only once the same run has been cut [`CUT_SIGHTINGS_ENV`] times (twice by default) in the
 //! process; before that its operations run unfused ([`Fuser::fuse_cut_run`]). A run another
-//! thread's drain cuts (a share or a read of one of its tensors) runs unfused unless the stream
-//! has built its kernel already ([`FOREIGN_CUT_SIGHTINGS_ENV`]). A kernel is compiled per
-//! distinct run, and another thread's cut point depends on its timing: fusing every cut run
-//! compiled a kernel for nearly every result a consumer thread took from a producer.
+//! thread's drain cuts (a share or a read of one of its tensors), or the engine's service
+//! thread (a thread's exit, a deferred free's deadline), runs unfused unless the stream has
+//! built its kernel already ([`FOREIGN_CUT_SIGHTINGS_ENV`]). A kernel is compiled per distinct
+//! run, and another thread's cut point depends on its timing: fusing every cut run compiled a
+//! kernel for nearly every result a consumer thread took from a producer, and counting the
+//! producer's exit cuts as its own compiled one whenever a length came up twice.
 //!
 //! **Short runs.** The elementwise fuser's kernel replaces a run only from
 //! [`MIN_ELEMENTWISE_OPS_ENV`] operations on (three by default): its launch costs more host work
