@@ -623,7 +623,8 @@ fn main() {
     }
     let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
     let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
-    if queue_len.is_some() || dispatch.is_some() {
+    let fused_len = knob("FUSION_STREAMS_BENCH_MAX_FUSED_LEN");
+    if queue_len.is_some() || dispatch.is_some() || fused_len.is_some() {
         let mut config = fusion_streams::EngineConfig::default();
         if let Some(len) = queue_len {
             config = config.with_max_queue_len(len);
@@ -631,13 +632,17 @@ fn main() {
         if let Some(dispatch) = dispatch {
             config = config.with_dispatch_closed_runs(dispatch);
         }
+        if let Some(len) = fused_len {
+            config = config.with_max_fused_len(len);
+        }
         assert!(
             Ours::configure(&device, config),
             "configured before first use"
         );
         eprintln!(
-            "our engine: queue bound {}, closed runs dispatched at once: {}",
-            config.max_queue_len, config.dispatch_closed_runs
+            "our engine: queue bound {}, fused runs at most {} entries, closed runs dispatched \
+             at once: {}",
+            config.max_queue_len, config.max_fused_len, config.dispatch_closed_runs
         );
     }
     let rounds = std::env::var("FUSION_STREAMS_BENCH_ROUNDS")

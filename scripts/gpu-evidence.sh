@@ -32,6 +32,8 @@
 #   ./scripts/gpu-evidence.sh cut-sightings [DIR] # the pipeline rows (15 rounds, verbose) with a
 #                                               # thread's own cut runs fused from their 2nd
 #                                               # sighting (the default), their 8th, and never
+#   ./scripts/gpu-evidence.sh fused-len [DIR]   # the pipeline rows with fused runs bounded at
+#                                               # 512 (default), 32, 16 and 8 entries
 #   ./scripts/gpu-evidence.sh host16 [DIR]      # NdArray's chain and MLP-thread rows on the
 #                                               # machine's cores, and the engine bench's one
 #                                               # stream against burn-fusion, twice
@@ -188,6 +190,17 @@ cut-sightings)
         FUSION_STREAMS_CUBE_CUT_SIGHTINGS=$n FUSION_STREAMS_BENCH_ONLY=pipeline \
             FUSION_STREAMS_BENCH_VERBOSE=1 step "pipeline-cut-sightings-$n" \
             timeout 120 ./gpu-bin/bench-backend --bench
+    done
+    ;;
+fused-len)
+    # Whether shorter fused runs help the pipeline rows (docs/BENCHMARKS.md, "Shares without the
+    # producer's lock"): a 64-operation run of the producer is 17 tasks for cubecl's device
+    # thread in a burst. The rows with section times, with fused runs bounded at 512 entries
+    # (the default; the fuser closes them near 64), 32, 16 and 8 (about 15 s each).
+    for n in 512 32 16 8; do
+        FUSION_STREAMS_BENCH_MAX_FUSED_LEN=$n FUSION_STREAMS_BENCH_ONLY=pipeline \
+            FUSION_STREAMS_BENCH_ROUNDS=7 FUSION_STREAMS_BENCH_VERBOSE=1 FUSION_STREAMS_BENCH_PROFILE=1 \
+            step "pipeline-fused-len-$n" timeout 120 ./gpu-bin/bench-backend --bench
     done
     ;;
 host16)
