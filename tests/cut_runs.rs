@@ -25,6 +25,12 @@ static CUTS: Mutex<Vec<(Cut, usize)>> = Mutex::new(Vec::new());
 /// The tests of this binary read [`CUTS`] whole: they take turns.
 static TURN: Mutex<()> = Mutex::new(());
 
+/// This test's turn (a test that failed before does not stop the others).
+fn take_turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A fuser that takes every operation and declines every cut run, recording whose drain cut
 /// it. Its runs are never closed, so it never executes one itself.
 #[derive(Default)]
@@ -88,9 +94,7 @@ fn program<B: burn_backend::Backend>() -> (TensorData, TensorData) {
 
 #[test]
 fn a_share_cuts_as_foreign_and_a_read_as_own_and_declined_runs_are_unfused() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _turn = take_turn();
     let client = client();
     let before = client.stats();
     CUTS.lock().unwrap().clear();
@@ -120,9 +124,7 @@ fn a_share_cuts_as_foreign_and_a_read_as_own_and_declined_runs_are_unfused() {
 /// and the cut run it hands the fuser ends at the shared tensor.
 #[test]
 fn another_threads_share_runs_the_queue_only_through_its_tensor() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _turn = take_turn();
     let client = client();
     let here = burn_backend::StreamId::current();
     let program = |x: Tensor<Ours, 1>| {
@@ -163,9 +165,7 @@ fn another_threads_share_runs_the_queue_only_through_its_tensor() {
 /// another thread's share), so a kernel built for the run would seldom run again.
 #[test]
 fn a_threads_exit_cuts_as_foreign() {
-    let _turn = TURN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _turn = take_turn();
     let client = client();
     let x = input::<Ours>();
     let _ = x.clone().into_data(); // nothing of the main thread's left queued

@@ -551,7 +551,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// deadline comes when the clock says, and a thread exits once, where its last run was cut
     /// open by whatever came before — by other threads' shares, on a producer — so a kernel
     /// built for that run would seldom run again (compiling one for the exit of a producer whose
-    /// results a consumer shares took 16–300 ms of the consumer's next read on the H200:
+    /// results a consumer shares took 85–333 ms of the consumer's next read on the H200:
     /// docs/BENCHMARKS.md, "Exit cuts").
     pub(crate) fn drain_for_service(&mut self) {
         self.drain_cutting_as(crate::runtime::Cut::Foreign, Self::drain);
