@@ -7,6 +7,8 @@
 #   ./scripts/gpu-evidence.sh sanitizers [DIR]  # memcheck, synccheck, racecheck on the device tests
 #   ./scripts/gpu-evidence.sh cross-stream [DIR] # tensors crossing streams on StreamFusion<CubeBackend>
 #                                               # and plain CubeBackend, plain and under sanitizers
+#                                               # (its halves, each under 600 s:
+#                                               # cross-stream-programs, cross-stream-suite)
 #   ./scripts/gpu-evidence.sh publish [DIR]     # publication on StreamFusion<CubeBackend>:
 #                                               # its tests, plain and under the sanitizers,
 #                                               # the example, the transfer benchmark
@@ -40,6 +42,11 @@
 #   ./scripts/gpu-evidence.sh pipeline-host [DIR] # pipeline/1 alone per contender under
 #                                               # callgrind, per thread, with system-call time
 #                                               # (GPU_TESTS_SYMBOLS=1 build, staged valgrind)
+#   ./scripts/gpu-evidence.sh pipeline-compiles [DIR] # pipeline/1, ours alone, with cubecl's
+#                                               # compilation log between the rounds
+#   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
+#                                               # thread's stack, sampled with a debugger (and
+#                                               # perf, where the machine has it)
 #   ./scripts/gpu-evidence.sh host-profile [DIR] # host instructions per repetition of softmax/64,
 #                                               # attention/128 and layer-norm/64 under callgrind,
 #                                               # per contender (valgrind staged by
@@ -108,28 +115,37 @@ sanitizers)
         step "device-$tool" "$cs" --tool "$tool" ./gpu-bin/device --ignored --test-threads=1 "${skip[@]}"
     done
     ;;
-cross-stream)
+cross-stream | cross-stream-programs | cross-stream-suite)
     control=cross_stream_programs_on_plain_cubebackend
     main=tensors_that_cross_streams_are_read_after_their_writes_and_never_reused_under_a_reader
-    step cross-stream-control ./gpu-bin/cross_stream --ignored --exact $control --nocapture
-    step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture
-    step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1
-    # The sanitizers slow every kernel down: smaller programs, 20 rounds (1 warm-up + 19), the
-    # four cross-stream runs at once on the one GPU (about 5 minutes on an H200 together).
-    export FUSION_STREAMS_RACE_ROUNDS=19 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20
-    export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000
-    for tool in racecheck memcheck synccheck; do
-        step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
-            --exact $main --nocapture &
-    done
-    step cross-stream-control-racecheck "$cs" --tool racecheck ./gpu-bin/cross_stream \
-        --ignored --exact $control --nocapture &
-    wait
-    for tool in racecheck memcheck; do
-        step "suite-backend-$tool" "$cs" --tool "$tool" ./gpu-bin/suite_backend --ignored \
-            --test-threads=1
-    done
-    step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored
+    # The whole set runs past the device tool's 600 s a call: `cross-stream-programs` and
+    # `cross-stream-suite` are its two halves.
+    if [ "$what" != cross-stream-suite ]; then
+        step cross-stream-control ./gpu-bin/cross_stream --ignored --exact $control --nocapture
+        step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture
+        step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1
+        # The sanitizers slow every kernel down: smaller programs, 20 rounds (1 warm-up + 19),
+        # the four cross-stream runs at once on the one GPU (about 5 minutes on an H200
+        # together).
+        (
+            export FUSION_STREAMS_RACE_ROUNDS=19 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20
+            export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000
+            for tool in racecheck memcheck synccheck; do
+                step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
+                    --exact $main --nocapture &
+            done
+            step cross-stream-control-racecheck "$cs" --tool racecheck ./gpu-bin/cross_stream \
+                --ignored --exact $control --nocapture &
+            wait
+        )
+    fi
+    if [ "$what" != cross-stream-programs ]; then
+        for tool in racecheck memcheck; do
+            step "suite-backend-$tool" "$cs" --tool "$tool" ./gpu-bin/suite_backend --ignored \
+                --test-threads=1
+        done
+        step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored
+    fi
     ;;
 publish)
     step publish ./gpu-bin/publish --ignored --test-threads=1
@@ -259,7 +275,7 @@ pipeline-host)
     # another thread is a futex call). A native round of each first fills cubecl's kernel cache
     # on disk, so the records hold no compilation.
     vg=${VALGRIND_DIR:-gpu-run/valgrind}
-    bin=./gpu-bin/bench-backend-syms
+    bin=${STACKS_BIN:-./gpu-bin/bench-backend-syms}
     printf '[compilation]\ncache = "target"\n' > cubecl.toml
     for who in ours plain; do
         FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
@@ -272,6 +288,56 @@ pipeline-host)
             --callgrind-out-file="$out/cg-pipe-$who.out" $bin --bench &
     done
     wait
+    ;;
+pipeline-compiles)
+    # Whether ours compiles kernels in the measured rounds of pipeline/1 (its fused-run time
+    # varies 4-16 ms between rounds, docs/BENCHMARKS.md "The owed runs"): cubecl's compilation
+    # log (level "basic", on stderr, in order with the bench's per-round lines), ours alone,
+    # 15 rounds, verbose, with the engine's sections; then the same with fused runs of at most
+    # 8 entries. The step's summary counts the compilations.
+    printf '[compilation.logger]\nlevel = "basic"\nstderr = true\n' > cubecl.toml
+    for n in 512 8; do
+        FUSION_STREAMS_BENCH_MAX_FUSED_LEN=$n FUSION_STREAMS_BENCH_ONLY=pipeline/1 \
+            FUSION_STREAMS_BENCH_SOLO=ours FUSION_STREAMS_BENCH_ROUNDS=15 \
+            FUSION_STREAMS_BENCH_VERBOSE=1 FUSION_STREAMS_BENCH_PROFILE=1 \
+            step "pipeline-compiles-$n" timeout 150 ./gpu-bin/bench-backend --bench
+        echo "  compilation log lines: $(grep -ci 'compil' "$out/pipeline-compiles-$n.log")"
+    done
+    rm -f cubecl.toml
+    ;;
+pipeline-stacks)
+    # Where pipeline/1's threads wait, natively (callgrind runs one thread at a time, so its
+    # picture of threads waiting on each other is not the native one): each contender alone,
+    # running rounds back to back, sampled STACK_SAMPLES times by attaching a debugger
+    # (gdb, else CUDA's cuda-gdb) and printing every thread's backtrace; with `perf`, also
+    # 10 s of samples, their self time by thread and function. Needs the GPU_TESTS_SYMBOLS=1
+    # build.
+    bin=${STACKS_BIN:-./gpu-bin/bench-backend-syms}
+    gdb=$(command -v gdb || echo /usr/local/cuda/bin/cuda-gdb)
+    echo "debugger: $gdb; perf: $(command -v perf || echo none)"
+    for who in ours plain; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=1000000 \
+            timeout 200 $bin --bench > "$out/stacks-$who-bench.log" 2>&1 &
+        tpid=$!
+        sleep 10 # past the untimed round's compilation
+        pid=$(pgrep -P $tpid | head -n 1) # the bench, under `timeout`
+        if command -v perf > /dev/null; then
+            perf record -F 997 -g -p $pid -o "$out/perf-$who.data" -- sleep 10 > /dev/null 2>&1
+            perf report -i "$out/perf-$who.data" --stdio --no-children --sort pid,sym -g none 2> /dev/null |
+                head -n 400 > "$out/perf-$who.txt"
+            rm -f "$out/perf-$who.data"
+        fi
+        for i in $(seq 1 "${STACK_SAMPLES:-25}"); do
+            echo "=== sample $i" >> "$out/stacks-$who.txt"
+            timeout 60 "$gdb" -p $pid -batch -nx -ex 'set pagination off' \
+                -ex 'thread apply all bt 30' >> "$out/stacks-$who.txt" 2>&1
+            sleep 0.3
+        done
+        kill $pid 2> /dev/null
+        wait $tpid 2> /dev/null
+        echo "$who: $(grep -c '^=== sample' "$out/stacks-$who.txt") samples, $(grep -c '^Thread ' "$out/stacks-$who.txt") thread stacks"
+    done
     ;;
 *)
     echo "unknown step set: $what" >&2
