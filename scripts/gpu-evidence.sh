@@ -228,6 +228,16 @@ host16)
     for run in 1 2; do
         step "engine-throughput-$run" ./gpu-bin/engine --bench throughput
     done
+    # chain/16384 loses 12-15% on this host and nothing on the 2-core dev machine: each
+    # contender alone, with the kernel's counters where perf is allowed.
+    if command -v perf > /dev/null; then
+        for who in ours plain; do
+            FUSION_STREAMS_BENCH_ONLY=chain/16384 FUSION_STREAMS_BENCH_SOLO=$who \
+                FUSION_STREAMS_BENCH_ROUNDS=7 step "chain16k-perf-stat-$who" perf stat \
+                -e task-clock,page-faults,context-switches,cpu-migrations,cycles,instructions,cache-misses \
+                ./gpu-bin/bench-backend-ndarray --bench
+        done
+    fi
     ;;
 attention)
     # Where the fused attention step loses at 512 positions (docs/BENCHMARKS.md, "Attention at
