@@ -301,7 +301,7 @@ pipeline-host)
     ;;
 pipeline-compiles)
     # Whether ours compiles kernels in the measured rounds of pipeline/1 (its fused-run time
-    # varies 4-16 ms between rounds, docs/BENCHMARKS.md "The owed runs"): cubecl's compilation
+    # varies 4-16 ms between rounds, docs/BENCHMARKS.md "Shorter fused runs"): cubecl's compilation
     # log (level "basic", on stderr, in order with the bench's per-round lines), ours alone,
     # 15 rounds, verbose, with the engine's sections; then the same with fused runs of at most
     # 8 entries. The step's summary counts the compilations.
