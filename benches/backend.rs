@@ -69,6 +69,7 @@ use burn_backend::Backend;
 use burn_tensor::activation::{relu, softmax};
 use burn_tensor::{Bool, Tensor, TensorData};
 
+mod common;
 #[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
@@ -610,31 +611,12 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 fn main() {
     // `cargo bench` passes `--bench`; there are no filters to honour.
     let device = Default::default();
-    // How lazily our engine dispatches: its queue bound (`EngineConfig::max_queue_len`), and
-    // whether a fusing stream dispatches a run as soon as it closes.
-    let knob = |name| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-    };
     if std::env::var_os("FUSION_STREAMS_BENCH_PROFILE").is_some() {
         fusion_streams::profile::enable(true);
         fusion_streams::profile::mark_current_thread();
     }
-    let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
-    let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
-    let fused_len = knob("FUSION_STREAMS_BENCH_MAX_FUSED_LEN");
-    if queue_len.is_some() || dispatch.is_some() || fused_len.is_some() {
-        let mut config = fusion_streams::EngineConfig::default();
-        if let Some(len) = queue_len {
-            config = config.with_max_queue_len(len);
-        }
-        if let Some(dispatch) = dispatch {
-            config = config.with_dispatch_closed_runs(dispatch);
-        }
-        if let Some(len) = fused_len {
-            config = config.with_max_fused_len(len);
-        }
+    // How lazily our engine dispatches, if the environment says (`common::engine_config_from_env`).
+    if let Some(config) = common::engine_config_from_env() {
         assert!(
             Ours::configure(&device, config),
             "configured before first use"

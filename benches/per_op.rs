@@ -15,8 +15,9 @@
 //!
 //! `scripts/per-op-cost.sh` does exactly that and prints the result. Without callgrind it
 //! prints the wall time per op, which on a shared machine is only a rough guide.
-//! `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` sets our engine's queue bound, as in
-//! `benches/backend.rs` (for the cache model of `docs/BENCHMARKS.md`, "Shorter fused runs").
+//! The engine's settings follow the same environment knobs as `benches/backend.rs`
+//! (`FUSION_STREAMS_BENCH_QUEUE_LEN` and the others; for the cache model of
+//! `docs/BENCHMARKS.md`, "Shorter fused runs").
 //!
 //! For the chains, both sides allocate through [`Aligned`], which gives every allocation of
 //! 1 KiB or more a 64-byte boundary. Without it glibc's 16-byte alignment put the chain's buffer
@@ -35,6 +36,7 @@ use burn_ndarray::NdArray;
 use burn_tensor::{Tensor, TensorData};
 use fusion_streams::backend::StreamFusion;
 
+mod common;
 #[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
@@ -171,12 +173,8 @@ fn main() {
     let count = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(10);
     let mlp = args.get(2).is_some_and(|w| w == "mlp");
     ALIGNED.store(!mlp, Ordering::Relaxed);
-    // `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>`: our engine's queue bound, as in benches/backend.rs.
-    if let Some(len) = std::env::var("FUSION_STREAMS_BENCH_QUEUE_LEN")
-        .ok()
-        .and_then(|n| n.parse().ok())
-    {
-        let config = fusion_streams::EngineConfig::default().with_max_queue_len(len);
+    // The engine settings of benches/backend.rs' knobs, if the environment sets any.
+    if let Some(config) = common::engine_config_from_env() {
         assert!(
             Ours::configure(&Default::default(), config),
             "configured before first use"

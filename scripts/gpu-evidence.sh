@@ -285,7 +285,7 @@ pipeline-host)
     # another thread is a futex call). A native round of each first fills cubecl's kernel cache
     # on disk, so the records hold no compilation.
     vg=${VALGRIND_DIR:-gpu-run/valgrind}
-    bin=${STACKS_BIN:-./gpu-bin/bench-backend-syms}
+    bin=./gpu-bin/bench-backend-syms
     printf '[compilation]\ncache = "target"\n' > cubecl.toml
     for who in ours plain; do
         FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \

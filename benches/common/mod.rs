@@ -1,5 +1,6 @@
-//! What the criterion benches share: every sample's time per unit (an op, a clone, an
-//! iteration), kept by measurement name for the medians and ratios printed at the end.
+//! What the benches share: every sample's time per unit (an op, a clone, an iteration), kept by
+//! measurement name for the medians and ratios printed at the end (the criterion benches), and
+//! the engine settings the environment asks for (the backend benches).
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -32,4 +33,34 @@ pub fn median(name: &str) -> Option<f64> {
 /// The names of every measurement that ran, in order.
 pub fn names() -> Vec<String> {
     samples().lock().unwrap().keys().cloned().collect()
+}
+
+/// The engine settings the environment asks for, if it asks for any:
+/// `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` (`EngineConfig::max_queue_len`),
+/// `FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=<0|1>` (`EngineConfig::dispatch_closed_runs`) and
+/// `FUSION_STREAMS_BENCH_MAX_FUSED_LEN=<n>` (`EngineConfig::max_fused_len`), each over the
+/// default.
+pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
+    let knob = |name| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
+    let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
+    let fused_len = knob("FUSION_STREAMS_BENCH_MAX_FUSED_LEN");
+    if queue_len.is_none() && dispatch.is_none() && fused_len.is_none() {
+        return None;
+    }
+    let mut config = fusion_streams::EngineConfig::default();
+    if let Some(len) = queue_len {
+        config = config.with_max_queue_len(len);
+    }
+    if let Some(dispatch) = dispatch {
+        config = config.with_dispatch_closed_runs(dispatch);
+    }
+    if let Some(len) = fused_len {
+        config = config.with_max_fused_len(len);
+    }
+    Some(config)
 }
