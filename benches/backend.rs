@@ -34,7 +34,8 @@
 //!    its rounds measures the ceiling and ours side by side; the fraction is the median of the
 //!    rounds' fractions.
 //!
-//! Every measurement alternates ours and plain, `ROUNDS` times, and keeps the median.
+//! Every measurement alternates ours and plain, `ROUNDS` times (each side first in every other
+//! round), and keeps the median.
 //! `FUSION_STREAMS_BENCH_ONLY=<prefix>[,<prefix>..]` runs only the measurements whose name
 //! starts with one of them.
 //! `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` sets our engine's queue bound (how many operations a
@@ -359,7 +360,8 @@ fn verbose() -> bool {
     std::env::var_os("FUSION_STREAMS_BENCH_VERBOSE").is_some()
 }
 
-/// Alternate ours and theirs `rounds` times; print both medians and return them (ours, theirs).
+/// Alternate ours and theirs `rounds` times, each going first in every other round; print both
+/// medians and return them (ours, theirs).
 fn compare(
     name: &str,
     theirs: &str,
@@ -372,11 +374,19 @@ fn compare(
     plain();
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        a.push(ours());
-        b.push(plain());
+        // Which side goes first alternates, so that an effect of running second (caches and
+        // clocks left by the other side) falls on both sides alike.
+        if round % 2 == 0 {
+            a.push(ours());
+            b.push(plain());
+        } else {
+            b.push(plain());
+            a.push(ours());
+        }
         if verbose() {
+            let first = if round % 2 == 0 { "ours" } else { theirs };
             eprintln!(
-                "  {name} round {round}: ours {:.2?}, {theirs} {:.2?}",
+                "  {name} round {round}: ours {:.2?}, {theirs} {:.2?} ({first} first)",
                 a[round], b[round]
             );
         }
