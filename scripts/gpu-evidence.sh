@@ -42,8 +42,9 @@
 #   ./scripts/gpu-evidence.sh pipeline-host [DIR] # pipeline/1 alone per contender under
 #                                               # callgrind, per thread, with system-call time
 #                                               # (GPU_TESTS_SYMBOLS=1 build, staged valgrind)
-#   ./scripts/gpu-evidence.sh pipeline-compiles [DIR] # pipeline/1, ours alone, with cubecl's
-#                                               # compilation log between the rounds
+#   ./scripts/gpu-evidence.sh pipeline-compiles [DIR] # pipeline/1, ours then plain alone, with
+#                                               # cubecl's compilation, autotune, cross-stream
+#                                               # and memory logs between the rounds
 #   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
 #                                               # thread's stack, sampled with a debugger (and
 #                                               # perf, where the machine has it)
@@ -301,17 +302,29 @@ pipeline-host)
     ;;
 pipeline-compiles)
     # Whether ours compiles kernels in the measured rounds of pipeline/1 (its fused-run time
-    # varies 4-16 ms between rounds, docs/BENCHMARKS.md "Shorter fused runs"): cubecl's compilation
-    # log (level "basic", on stderr, in order with the bench's per-round lines), ours alone,
-    # 15 rounds, verbose, with the engine's sections; then the same with fused runs of at most
-    # 8 entries. The step's summary counts the compilations.
-    printf '[compilation.logger]\nlevel = "basic"\nstderr = true\n' > cubecl.toml
-    for n in 512 8; do
+    # varies 4-16 ms between rounds, docs/BENCHMARKS.md "Shorter fused runs"): cubecl's
+    # compilation log (level "basic", on stderr, in order with the bench's per-round lines), ours
+    # alone, 15 rounds, verbose, with the engine's sections; then the same with fused runs of at
+    # most 8 entries. The same cubecl.toml also logs autotune choices, cubecl's cross-stream waits
+    # ("Waiting on <stream> from <stream>": each one an event, a stream wait and a task for
+    # cubecl's garbage-collection thread, whose channel holds 8) and memory-page events; plain
+    # runs last, alone, for its count of the same. The step's summary counts each kind (logging
+    # on cubecl's device thread slows the rounds: read this step for counts, not times).
+    printf '%s\n' '[compilation.logger]' 'level = "basic"' 'stderr = true' \
+        '[autotune.logger]' 'level = "minimal"' 'stderr = true' \
+        '[streaming.logger]' 'level = "basic"' 'stderr = true' \
+        '[memory.logger]' 'level = "basic"' 'stderr = true' > cubecl.toml
+    for run in ours:512 ours:8 plain:512; do
+        who=${run%:*} n=${run#*:}
         FUSION_STREAMS_BENCH_MAX_FUSED_LEN=$n FUSION_STREAMS_BENCH_ONLY=pipeline/1 \
-            FUSION_STREAMS_BENCH_SOLO=ours FUSION_STREAMS_BENCH_ROUNDS=15 \
+            FUSION_STREAMS_BENCH_SOLO=$who FUSION_STREAMS_BENCH_ROUNDS=15 \
             FUSION_STREAMS_BENCH_VERBOSE=1 FUSION_STREAMS_BENCH_PROFILE=1 \
-            step "pipeline-compiles-$n" timeout 150 ./gpu-bin/bench-backend --bench
-        echo "  compilation log lines: $(grep -ci 'compil' "$out/pipeline-compiles-$n.log")"
+            step "pipeline-compiles-$who-$n" timeout 150 ./gpu-bin/bench-backend --bench
+        log=$out/pipeline-compiles-$who-$n.log
+        echo "  $who, fused runs <= $n: compilation lines $(grep -ci 'compil' "$log")," \
+            "autotune lines $(grep -ci 'autotune\|fastest' "$log")," \
+            "cross-stream waits $(grep -c 'Waiting on' "$log")," \
+            "memory lines $(grep -ci 'page\|memory' "$log")"
     done
     rm -f cubecl.toml
     ;;
