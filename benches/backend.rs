@@ -51,7 +51,8 @@
 //! the time the engine spent in each of its sections (`fusion_streams::profile`), the main
 //! thread's apart.
 //! `FUSION_STREAMS_BENCH_SOLO=<ours|plain|unfused|burn-fusion>` runs one contender alone (an
-//! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler.
+//! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler; on Linux
+//! it also prints the calling thread's time on a core and time waiting for one over the rounds.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -428,13 +429,23 @@ fn measure(
                 None => panic!("FUSION_STREAMS_BENCH_SOLO={solo}: not `ours` or a peer's name"),
             },
         };
-        let mut times: Vec<Duration> = (0..=rounds).map(|_| run(contender)).collect();
-        times.remove(0);
+        run(contender);
+        let before = Schedstat::now();
+        let mut times: Vec<Duration> = (0..rounds).map(|_| run(contender)).collect();
+        let scheduled = before.zip(Schedstat::now()).map(|(a, b)| b.since(a));
         times.sort();
         println!(
             "{name:<24} {solo} alone {:>9.2?} (median of {rounds})",
             times[rounds / 2]
         );
+        if let Some(s) = scheduled {
+            let wall: Duration = times.iter().sum();
+            println!(
+                "{name:<24} {solo} alone, this thread over the {rounds} rounds: wall {wall:.2?}, \
+                 on a core {:.2?}, runnable but waiting {:.2?}, {} time slices",
+                s.on_cpu, s.waiting, s.slices
+            );
+        }
         return None;
     }
     let mut against_plain = None;
@@ -454,6 +465,37 @@ fn measure(
         against_plain.get_or_insert(ours);
     }
     against_plain
+}
+
+/// The calling thread's scheduler statistics (Linux `/proc/thread-self/schedstat`): time on a
+/// core, time runnable but waiting for one, and time slices. A solo run prints their change
+/// over its rounds, which says whether a slow contender executes longer or waits longer (rows
+/// that run on the calling thread: the chains, softmax, attention, layer norm).
+#[derive(Clone, Copy)]
+struct Schedstat {
+    on_cpu: Duration,
+    waiting: Duration,
+    slices: u64,
+}
+
+impl Schedstat {
+    fn now() -> Option<Self> {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+        let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().ok());
+        Some(Self {
+            on_cpu: Duration::from_nanos(fields.next()??),
+            waiting: Duration::from_nanos(fields.next()??),
+            slices: fields.next()??,
+        })
+    }
+
+    fn since(self, earlier: Self) -> Self {
+        Self {
+            on_cpu: self.on_cpu.saturating_sub(earlier.on_cpu),
+            waiting: self.waiting.saturating_sub(earlier.waiting),
+            slices: self.slices.saturating_sub(earlier.slices),
+        }
+    }
 }
 
 /// Which backend a measurement runs on.

@@ -230,15 +230,16 @@ host16)
         step "engine-throughput-$run" ./gpu-bin/engine --bench throughput
     done
     # chain/16384 loses 12-15% on this host and nothing on the 2-core dev machine: each
-    # contender alone, with the kernel's counters where perf is allowed.
-    if command -v perf > /dev/null; then
-        for who in ours plain; do
-            FUSION_STREAMS_BENCH_ONLY=chain/16384 FUSION_STREAMS_BENCH_SOLO=$who \
-                FUSION_STREAMS_BENCH_ROUNDS=7 step "chain16k-perf-stat-$who" perf stat \
-                -e task-clock,page-faults,context-switches,cpu-migrations,cycles,instructions,cache-misses \
-                ./gpu-bin/bench-backend-ndarray --bench
-        done
-    fi
+    # contender alone (the bench prints the thread's time on a core and time waiting for one),
+    # under perf's counters where the machine has perf.
+    stat=()
+    command -v perf > /dev/null && stat=(perf stat -e \
+        task-clock,page-faults,context-switches,cpu-migrations,cycles,instructions,cache-misses)
+    for who in ours plain; do
+        FUSION_STREAMS_BENCH_ONLY=chain/16384 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=7 step "chain16k-solo-$who" "${stat[@]}" \
+            ./gpu-bin/bench-backend-ndarray --bench
+    done
     ;;
 attention)
     # Where the fused attention step loses at 512 positions (docs/BENCHMARKS.md, "Attention at
