@@ -470,7 +470,9 @@ fn measure(
 /// The calling thread's scheduler statistics (Linux `/proc/thread-self/schedstat`): time on a
 /// core, time runnable but waiting for one, and time slices. A solo run prints their change
 /// over its rounds, which says whether a slow contender executes longer or waits longer (rows
-/// that run on the calling thread: the chains, softmax, attention, layer norm).
+/// that run on the calling thread: the chains, softmax, attention, layer norm). The kernel
+/// updates these at scheduler ticks, so they are a few milliseconds coarse: read them over
+/// rounds that take far longer.
 #[derive(Clone, Copy)]
 struct Schedstat {
     on_cpu: Duration,
