@@ -45,6 +45,10 @@
 #   ./scripts/gpu-evidence.sh pipeline-compiles [DIR] # pipeline/1, ours then plain alone, with
 #                                               # cubecl's compilation, autotune, cross-stream
 #                                               # and memory logs between the rounds
+#   ./scripts/gpu-evidence.sh pipeline-threads [DIR] # pipeline/1 per contender, natively: each
+#                                               # thread's time on a core and what it waits in
+#   ./scripts/gpu-evidence.sh pipeline-cold [DIR] # pipeline/1 per contender from process start:
+#                                               # cubecl's device thread through the first calls
 #   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
 #                                               # thread's stack, sampled with a debugger (and
 #                                               # perf, where the machine has it)
@@ -328,6 +332,75 @@ pipeline-compiles)
             "memory lines $(grep -ci 'page\|memory' "$log")"
     done
     rm -f cubecl.toml
+    ;;
+pipeline-threads)
+    # What each thread of pipeline/1 does, from outside and without stopping it (a debugger's
+    # attach stalls cuLaunchKernel on its own lock, so pipeline-stacks cannot show cubecl's
+    # device thread): each contender alone, rounds back to back; after 8 s, every thread's time
+    # on a core and user/system split over a window (/proc/PID/task/TID/schedstat and stat),
+    # and its state, kernel wait channel and system call sampled every ~5 ms in between. The
+    # rounds completed in the window come from the verbose per-call lines.
+    for who in ${THREADS_WHO:-ours unfused plain}; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=1000000 FUSION_STREAMS_BENCH_VERBOSE=1 \
+            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench \
+            > "$out/threads-$who-bench.log" 2>&1 &
+        tpid=$!
+        sleep 8
+        pid=$(pgrep -P $tpid | head -n 1)
+        snap() { # tid comm on-cpu-ns waiting-ns slices utime stime (ticks); then the process
+            for t in /proc/$pid/task/*; do
+                echo "$(basename "$t") $(cat "$t/comm") $(cat "$t/schedstat") $(awk '{print $14, $15}' "$t/stat")"
+            done 2> /dev/null
+            echo "process all $(awk '{print $14, $15}' /proc/$pid/stat) (utime stime, ticks of $(getconf CLK_TCK)/s)"
+        }
+        calls() { grep -c 'in all' "$out/threads-$who-bench.log"; }
+        snap > "$out/threads-$who-t0.txt"
+        c0=$(calls) t0=$(date +%s.%N)
+        for _ in $(seq 1 "${THREAD_SAMPLES:-600}"); do
+            for t in /proc/$pid/task/*; do
+                echo "$(basename "$t") $(cat "$t/comm") $(cut -d' ' -f3 "$t/stat") $(cat "$t/wchan") $(cut -d' ' -f1 "$t/syscall")"
+            done 2> /dev/null
+            sleep 0.005
+        done > "$out/threads-$who-states.txt"
+        snap > "$out/threads-$who-t1.txt"
+        c1=$(calls) t1=$(date +%s.%N)
+        kill $pid 2> /dev/null
+        wait $tpid 2> /dev/null
+        echo "$who: $((c1 - c0)) calls in a $(awk "BEGIN { printf \"%.2f\", $t1 - $t0 }") s window"
+    done
+    ;;
+pipeline-cold)
+    # The first calls of pipeline/1 on fresh cubecl streams (docs/BENCHMARKS.md, "Fresh cubecl
+    # streams"): each contender alone from process start, 400 calls, while cubecl's device
+    # thread ("DSD-0-0"; its garbage-collection thread inherits the name) is sampled every ~2 ms:
+    # state, kernel wait channel, system call and kernel stack, with the calls done so far. A
+    # page-locked allocation on a fresh stream shows as long runs of samples in the driver's
+    # ioctl or mmap during the first 128 calls.
+    for who in ${THREADS_WHO:-ours plain}; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_ROUNDS=400 FUSION_STREAMS_BENCH_VERBOSE=1 \
+            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench \
+            > "$out/cold-$who-bench.log" 2>&1 &
+        tpid=$!
+        sleep 0.3
+        pid=$(pgrep -P $tpid | head -n 1)
+        start=$(date +%s%N)
+        while kill -0 "$pid" 2> /dev/null; do
+            now=$((($(date +%s%N) - start) / 1000000))
+            calls=$(grep -c 'in all' "$out/cold-$who-bench.log")
+            for t in /proc/$pid/task/*; do
+                [ "$(cat "$t/comm" 2> /dev/null)" = DSD-0-0 ] || continue
+                echo "$now $calls $(basename "$t") $(cut -d' ' -f3 "$t/stat" 2> /dev/null)" \
+                    "$(cat "$t/wchan" 2> /dev/null) $(cut -d' ' -f1 "$t/syscall" 2> /dev/null)" \
+                    "$(head -c 300 "$t/stack" 2> /dev/null | tr '\n' '|')"
+            done
+            sleep 0.002
+        done > "$out/cold-$who-samples.txt"
+        wait $tpid
+        echo "$who: $(wc -l < "$out/cold-$who-samples.txt") samples over" \
+            "$(grep -c 'in all' "$out/cold-$who-bench.log") calls"
+    done
     ;;
 pipeline-stacks)
     # Where pipeline/1's threads wait, natively (callgrind runs one thread at a time, so its
