@@ -42,6 +42,8 @@
 //! stream holds before it dispatches what it can, default 32), and
 //! `FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=0` makes a fusing stream wait for that bound
 //! rather than dispatch each run as it closes (`EngineConfig::dispatch_closed_runs`).
+//! `FUSION_STREAMS_BENCH_UNTIMED=<n>` sets the untimed rounds before them (default 1; the
+//! pipeline rows on reused cubecl streams need 128 or more).
 //! `FUSION_STREAMS_BENCH_ROUNDS=<n>` sets the number of rounds (default 15) and
 //! `FUSION_STREAMS_BENCH_VERBOSE=1` prints every round's two times, not only the medians (to see
 //! whether a slow median is a steady cost or a warm-up that outlasts the untimed round), and for
@@ -357,6 +359,17 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// `FUSION_STREAMS_BENCH_UNTIMED=<n>`: untimed rounds per side before the timed ones (default
+/// 1). The pipeline rows start a new producer thread every call, which cubecl 0.10 puts on a
+/// new one of its 128 stream slots until each has been used once; `n` ≥ 128 measures them on
+/// reused slots (docs/BENCHMARKS.md, "Fresh cubecl streams").
+fn untimed_rounds() -> usize {
+    std::env::var("FUSION_STREAMS_BENCH_UNTIMED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+}
+
 fn verbose() -> bool {
     std::env::var_os("FUSION_STREAMS_BENCH_VERBOSE").is_some()
 }
@@ -370,9 +383,12 @@ fn compare(
     mut ours: impl FnMut() -> Duration,
     mut plain: impl FnMut() -> Duration,
 ) -> (Duration, Duration) {
-    // One untimed round each: page faults, thread start-up, lazy initialisation.
-    ours();
-    plain();
+    // Untimed rounds first (one each by default): page faults, thread start-up, lazy
+    // initialisation.
+    for _ in 0..untimed_rounds() {
+        ours();
+        plain();
+    }
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         // Which side goes first alternates, so that an effect of running second (caches and
@@ -429,7 +445,9 @@ fn measure(
                 None => panic!("FUSION_STREAMS_BENCH_SOLO={solo}: not `ours` or a peer's name"),
             },
         };
-        run(contender);
+        for _ in 0..untimed_rounds() {
+            run(contender);
+        }
         let before = Schedstat::now();
         let mut times: Vec<Duration> = (0..rounds).map(|_| run(contender)).collect();
         let scheduled = before.zip(Schedstat::now()).map(|(a, b)| b.since(a));

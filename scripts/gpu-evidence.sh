@@ -47,6 +47,8 @@
 #                                               # and memory logs between the rounds
 #   ./scripts/gpu-evidence.sh pipeline-threads [DIR] # pipeline/1 per contender, natively: each
 #                                               # thread's time on a core and what it waits in
+#   ./scripts/gpu-evidence.sh pipeline-warm [DIR] # the pipeline rows on fresh and on reused
+#                                               # cubecl stream slots
 #   ./scripts/gpu-evidence.sh pipeline-cold [DIR] # pipeline/1 per contender from process start:
 #                                               # cubecl's device thread through the first calls
 #   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
@@ -368,6 +370,16 @@ pipeline-threads)
         kill $pid 2> /dev/null
         wait $tpid 2> /dev/null
         echo "$who: $((c1 - c0)) calls in a $(awk "BEGIN { printf \"%.2f\", $t1 - $t0 }") s window"
+    done
+    ;;
+pipeline-warm)
+    # The pipeline rows (a new producer thread every call) as the bench runs them, after one
+    # untimed round per side (every call on a fresh cubecl stream slot), and after 130 (slots
+    # reused: docs/BENCHMARKS.md, "Fresh cubecl streams"); 15 rounds each, separate processes.
+    for untimed in 1 130; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/ FUSION_STREAMS_BENCH_UNTIMED=$untimed \
+            FUSION_STREAMS_BENCH_ROUNDS=15 \
+            step "pipeline-untimed-$untimed" timeout 280 ./gpu-bin/bench-backend --bench
     done
     ;;
 pipeline-cold)
