@@ -373,13 +373,21 @@ pipeline-threads)
     done
     ;;
 pipeline-warm)
-    # The pipeline rows (a new producer thread every call) as the bench runs them, after one
-    # untimed round per side (every call on a fresh cubecl stream slot), and after 130 (slots
-    # reused: docs/BENCHMARKS.md, "Fresh cubecl streams"); 15 rounds each, separate processes.
+    # pipeline/1 (a new producer thread every call) after one untimed call (every call on a
+    # fresh cubecl stream slot) and after 130 (slots reused: docs/BENCHMARKS.md, "Fresh cubecl
+    # streams"); each contender alone in its own process (burn-fusion's pipeline is too slow
+    # for 130 untimed calls), 15 rounds; all rows with the peers when PIPELINE_WARM_ALL=1.
     for untimed in 1 130; do
-        FUSION_STREAMS_BENCH_ONLY=pipeline/ FUSION_STREAMS_BENCH_UNTIMED=$untimed \
-            FUSION_STREAMS_BENCH_ROUNDS=15 \
-            step "pipeline-untimed-$untimed" timeout 280 ./gpu-bin/bench-backend --bench
+        for who in ours unfused plain; do
+            FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+                FUSION_STREAMS_BENCH_UNTIMED=$untimed FUSION_STREAMS_BENCH_ROUNDS=15 \
+                step "pipeline1-$who-untimed-$untimed" timeout 120 ./gpu-bin/bench-backend --bench
+        done
+        if [ "${PIPELINE_WARM_ALL:-0}" = 1 ]; then
+            FUSION_STREAMS_BENCH_ONLY=pipeline/ FUSION_STREAMS_BENCH_UNTIMED=$untimed \
+                FUSION_STREAMS_BENCH_ROUNDS=15 \
+                step "pipeline-untimed-$untimed" timeout 560 ./gpu-bin/bench-backend --bench
+        fi
     done
     ;;
 pipeline-cold)
