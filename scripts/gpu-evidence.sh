@@ -393,33 +393,39 @@ pipeline-warm)
 pipeline-cold)
     # The first calls of pipeline/1 on fresh cubecl streams (docs/BENCHMARKS.md, "Fresh cubecl
     # streams"): each contender alone from process start, 400 calls, while cubecl's device
-    # thread ("DSD-0-0"; its garbage-collection thread inherits the name) is sampled every ~2 ms:
-    # state, kernel wait channel, system call and kernel stack, with the calls done so far. A
-    # page-locked allocation on a fresh stream shows as long runs of samples in the driver's
-    # ioctl or mmap during the first 128 calls.
+    # threads ("DSD-0-0"; its garbage-collection thread inherits the name) are sampled as fast
+    # as bash's builtins allow (no process per sample): milliseconds since start, thread, state,
+    # system call (or "running"), user and system ticks so far; the calls done so far every 100
+    # samples. A blocking driver call shows as a system call; page faults as system ticks.
     for who in ${THREADS_WHO:-ours plain}; do
+        log=$out/cold-$who-bench.log
         FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
             FUSION_STREAMS_BENCH_ROUNDS=400 FUSION_STREAMS_BENCH_VERBOSE=1 \
-            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench \
-            > "$out/cold-$who-bench.log" 2>&1 &
+            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench > "$log" 2>&1 &
         tpid=$!
-        sleep 0.3
+        sleep 0.2
         pid=$(pgrep -P $tpid | head -n 1)
-        start=$(date +%s%N)
-        while kill -0 "$pid" 2> /dev/null; do
-            now=$((($(date +%s%N) - start) / 1000000))
-            calls=$(grep -c 'in all' "$out/cold-$who-bench.log")
+        dsd=()
+        while [ ${#dsd[@]} -lt 2 ] && kill -0 "$pid" 2> /dev/null; do
+            dsd=()
             for t in /proc/$pid/task/*; do
-                [ "$(cat "$t/comm" 2> /dev/null)" = DSD-0-0 ] || continue
-                echo "$now $calls $(basename "$t") $(cut -d' ' -f3 "$t/stat" 2> /dev/null)" \
-                    "$(cat "$t/wchan" 2> /dev/null) $(cut -d' ' -f1 "$t/syscall" 2> /dev/null)" \
-                    "$(head -c 300 "$t/stack" 2> /dev/null | tr '\n' '|')"
+                read -r comm < "$t/comm" 2> /dev/null && [ "$comm" = DSD-0-0 ] && dsd+=("$t")
             done
-            sleep 0.002
+        done
+        i=0
+        while kill -0 "$pid" 2> /dev/null; do
+            ((i % 100 == 0)) && echo "calls $(grep -c 'in all' "$log")"
+            for t in "${dsd[@]}"; do
+                read -r stat < "$t/stat" 2> /dev/null || continue
+                read -r sys _ < "$t/syscall" 2> /dev/null
+                f=(${stat##*) })
+                echo "${EPOCHREALTIME} ${t##*/} ${f[0]} $sys ${f[11]} ${f[12]}"
+            done
+            i=$((i + 1))
         done > "$out/cold-$who-samples.txt"
         wait $tpid
-        echo "$who: $(wc -l < "$out/cold-$who-samples.txt") samples over" \
-            "$(grep -c 'in all' "$out/cold-$who-bench.log") calls"
+        echo "$who: $(grep -vc '^calls' "$out/cold-$who-samples.txt") samples over" \
+            "$(grep -c 'in all' "$log") calls"
     done
     ;;
 pipeline-stacks)
