@@ -409,15 +409,15 @@ pipeline-cold)
         while [ ${#dsd[@]} -lt 2 ] && kill -0 "$pid" 2> /dev/null; do
             dsd=()
             for t in /proc/$pid/task/*; do
-                read -r comm < "$t/comm" 2> /dev/null && [ "$comm" = DSD-0-0 ] && dsd+=("$t")
+                { read -r comm < "$t/comm"; } 2> /dev/null && [ "$comm" = DSD-0-0 ] && dsd+=("$t")
             done
         done
         i=0
         while kill -0 "$pid" 2> /dev/null; do
             ((i % 100 == 0)) && echo "calls $(grep -c 'in all' "$log")"
             for t in "${dsd[@]}"; do
-                read -r stat < "$t/stat" 2> /dev/null || continue
-                read -r sys _ < "$t/syscall" 2> /dev/null
+                { read -r stat < "$t/stat"; } 2> /dev/null || continue
+                { read -r sys _ < "$t/syscall"; } 2> /dev/null
                 f=(${stat##*) })
                 echo "${EPOCHREALTIME} ${t##*/} ${f[0]} $sys ${f[11]} ${f[12]}"
             done
