@@ -47,8 +47,8 @@
 #                                               # and memory logs between the rounds
 #   ./scripts/gpu-evidence.sh pipeline-threads [DIR] # pipeline/1 per contender, natively: each
 #                                               # thread's time on a core and what it waits in
-#   ./scripts/gpu-evidence.sh pipeline-warm [DIR] # the pipeline rows on fresh and on reused
-#                                               # cubecl stream slots
+#   ./scripts/gpu-evidence.sh pipeline-warm [DIR] # pipeline/1 per contender alone on fresh
+#                                               # and on reused cubecl stream slots
 #   ./scripts/gpu-evidence.sh pipeline-cold [DIR] # pipeline/1 per contender from process start:
 #                                               # cubecl's device thread through the first calls
 #   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
@@ -90,6 +90,21 @@ step() {
     local rc=$?
     printf '%-22s rc=%s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" \
         "$(grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY|^ratio| alone ' "$out/$name.log" | tr '\n' ' ')"
+}
+
+# pipeline/1 with contender $1 alone, $2 rounds, verbose, under `timeout $3`, binary $4, output
+# to $5, in the background, for the steps that watch it from outside: sets $tpid (the timeout)
+# and, once the bench has started, $pid (the bench).
+pipeline_alone() {
+    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$1 \
+        FUSION_STREAMS_BENCH_ROUNDS=$2 FUSION_STREAMS_BENCH_VERBOSE=1 \
+        timeout "$3" "$4" --bench > "$5" 2>&1 &
+    tpid=$!
+    pid=
+    while [ -z "$pid" ] && kill -0 $tpid 2> /dev/null; do
+        pid=$(pgrep -P $tpid | head -n 1)
+        [ -n "$pid" ] || sleep 0.05
+    done
 }
 
 # Bench row $1 with each contender alone in its own process (ours with every default fuser,
@@ -343,13 +358,9 @@ pipeline-threads)
     # and its state, kernel wait channel and system call sampled every ~5 ms in between. The
     # rounds completed in the window come from the verbose per-call lines.
     for who in ${THREADS_WHO:-ours unfused plain}; do
-        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
-            FUSION_STREAMS_BENCH_ROUNDS=1000000 FUSION_STREAMS_BENCH_VERBOSE=1 \
-            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench \
-            > "$out/threads-$who-bench.log" 2>&1 &
-        tpid=$!
+        pipeline_alone $who 1000000 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" \
+            "$out/threads-$who-bench.log"
         sleep 8
-        pid=$(pgrep -P $tpid | head -n 1)
         snap() { # tid comm on-cpu-ns waiting-ns slices utime stime (ticks); then the process
             for t in /proc/$pid/task/*; do
                 echo "$(basename "$t") $(cat "$t/comm") $(cat "$t/schedstat") $(awk '{print $14, $15}' "$t/stat")"
@@ -399,18 +410,14 @@ pipeline-cold)
     # samples. A blocking driver call shows as a system call; page faults as system ticks.
     for who in ${THREADS_WHO:-ours plain}; do
         log=$out/cold-$who-bench.log
-        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
-            FUSION_STREAMS_BENCH_ROUNDS=400 FUSION_STREAMS_BENCH_VERBOSE=1 \
-            timeout 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" --bench > "$log" 2>&1 &
-        tpid=$!
-        sleep 0.2
-        pid=$(pgrep -P $tpid | head -n 1)
+        pipeline_alone $who 400 60 "${THREADS_BIN:-./gpu-bin/bench-backend}" "$log"
         dsd=()
         while [ ${#dsd[@]} -lt 2 ] && kill -0 "$pid" 2> /dev/null; do
             dsd=()
             for t in /proc/$pid/task/*; do
                 { read -r comm < "$t/comm"; } 2> /dev/null && [ "$comm" = DSD-0-0 ] && dsd+=("$t")
             done
+            [ ${#dsd[@]} -ge 2 ] || sleep 0.01
         done
         i=0
         while kill -0 "$pid" 2> /dev/null; do
@@ -434,17 +441,15 @@ pipeline-stacks)
     # running rounds back to back, sampled STACK_SAMPLES times by attaching a debugger
     # (gdb, else CUDA's cuda-gdb) and printing every thread's backtrace; with `perf`, also
     # 10 s of samples, their self time by thread and function. Needs the GPU_TESTS_SYMBOLS=1
-    # build.
+    # build. cuda-gdb's attach stalls cuLaunchKernel on libcudadebugger's own lock, so with it
+    # the device thread's stack is the attach's (docs/BENCHMARKS.md, "Fresh cubecl streams"):
+    # pipeline-threads and pipeline-cold watch that thread without stopping it.
     bin=${STACKS_BIN:-./gpu-bin/bench-backend-syms}
     gdb=$(command -v gdb || echo /usr/local/cuda/bin/cuda-gdb)
     echo "debugger: $gdb; perf: $(command -v perf || echo none)"
     for who in ours plain; do
-        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
-            FUSION_STREAMS_BENCH_ROUNDS=1000000 \
-            timeout 200 $bin --bench > "$out/stacks-$who-bench.log" 2>&1 &
-        tpid=$!
+        pipeline_alone $who 1000000 200 "$bin" "$out/stacks-$who-bench.log"
         sleep 10 # past the untimed round's compilation
-        pid=$(pgrep -P $tpid | head -n 1) # the bench, under `timeout`
         if command -v perf > /dev/null; then
             perf record -F 997 -g -p $pid -o "$out/perf-$who.data" -- sleep 10 > /dev/null 2>&1
             perf report -i "$out/perf-$who.data" --stdio --no-children --sort pid,sym -g none 2> /dev/null |
