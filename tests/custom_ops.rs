@@ -132,7 +132,7 @@ fn a_dispatched_host_kernel_runs_on_the_worker_and_reports_on_its_output() {
     // Asynchronous: with the stream's worker held, the op registers and executes (a sync of the
     // engine's queue), and the kernel has not run.
     let x = f32s(&c, &[1.0, 2.0]);
-    let pause = c.context().pause(burn_backend::StreamId::current());
+    let pause = c.context().pause(c.execution_stream());
     let y = dispatched(&x, "plus_one");
     c.streams().drain_all();
     assert_eq!(

@@ -224,9 +224,8 @@ fn errors_travel_with_the_data_to_the_read() {
 #[test]
 fn no_device_wait_happens_under_the_engine_lock() {
     let c = client();
-    let main = StreamId::current();
     let x = f32s(&c, &[1.0, 2.0]);
-    let pause = c.context().pause(main);
+    let pause = c.context().pause(c.execution_stream());
     let y = x.scale(2.0).unwrap();
 
     let (done_tx, done_rx) = channel();

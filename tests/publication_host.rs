@@ -210,7 +210,13 @@ fn a_device_failure_after_publish_makes_the_publication_terminal() {
 fn two_publications_and_three_downloads_complete_independently() {
     let c = client();
     let peers: Vec<Peer> = (0..3).map(|_| Peer::spawn()).collect();
-    let streams: Vec<StreamId> = peers.iter().map(Peer::stream).collect();
+    let streams: Vec<StreamId> = peers
+        .iter()
+        .map(|peer| {
+            let c = c.clone();
+            peer.run(move || c.execution_stream())
+        })
+        .collect();
     let (pause_a, pause_b) = (c.context().pause(streams[0]), c.context().pause(streams[1]));
     // On each stream: one publication kept, one downloaded (stream C: only the download).
     let mut kept = Vec::new();

@@ -223,9 +223,9 @@ impl<B: IrBackend> StreamFusion<B> {
         tensor: Tensor<B>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         let (shape, dtype) = (crate::small::copy_shape(tensor.shape()), tensor.dtype());
-        // The engine ordered this thread's stream after the buffer's writes: the read must run
-        // there, wherever the future is polled.
-        let stream = burn_backend::StreamId::current();
+        // The engine ordered this thread's execution stream after the buffer's writes: the read
+        // must run there, wherever the future is polled.
+        let stream = crate::stream::execution_stream();
         let read = tensor
             .into_handle()
             .map(|handle| BackendRuntime::<B>::into_data_future(handle, shape, dtype));
@@ -245,7 +245,9 @@ impl<B: IrBackend> StreamFusion<B> {
         }
         let (shape, dtype) = (crate::small::copy_shape(tensor.shape()), tensor.dtype());
         let entry = match tensor.into_handle() {
-            Ok(handle) => {
+            // The copy reads the source on the execution stream the engine ordered after the
+            // source's writes (the same on both devices: it is the thread's).
+            Ok(handle) => crate::stream::on_execution_stream(|| {
                 let t = TensorHandle {
                     handle,
                     shape: shape.clone(),
@@ -264,7 +266,7 @@ impl<B: IrBackend> StreamFusion<B> {
                         B::quantized_tensor_handle(B::q_to_device(B::quantized_tensor(t), device))
                     }
                 })
-            }
+            }),
             Err(error) => Entry::Failed(error),
         };
         Self::client(device).adopt(entry, shape, dtype)
@@ -294,7 +296,7 @@ impl<B: IrBackend> Backend for StreamFusion<B> {
     fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
         let client = Self::client(device);
         client.drain();
-        B::sync(device)
+        crate::stream::on_execution_stream(|| B::sync(device))
     }
 
     fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {
@@ -310,7 +312,9 @@ impl<B: IrBackend> Backend for StreamFusion<B> {
     }
 
     fn memory_cleanup(device: &Self::Device) {
-        B::memory_cleanup(device);
+        // cubecl cleans the pools of the current stream: this thread's work runs on its
+        // execution stream.
+        crate::stream::on_execution_stream(|| B::memory_cleanup(device));
     }
 }
 

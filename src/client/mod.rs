@@ -236,6 +236,32 @@ impl<R: StreamRuntime> FusionClient<R> {
         &self.inner.streams
     }
 
+    /// The backend stream the current thread's work runs on: its stream's kernels, its uploads,
+    /// reads and syncs, and the waits that order a tensor from another thread before its use
+    /// here.
+    ///
+    /// It is not the thread's own [`StreamId::current`]: each thread gets an id that a thread
+    /// which exited gave back, so that a new thread lands on backend state (cubecl's per-stream
+    /// memory pools) that is already warm, and the number of backend streams in use stays the
+    /// number of threads alive at once. The engine's own streams are still named by the
+    /// thread's id ([`FusionTensor::stream`], [`crate::MultiStream::pending`]).
+    ///
+    /// Backend code that uses a tensor's handle ([`FusionTensor::handle`]) outside the engine
+    /// runs under it (`client.execution_stream().executes(|| ...)`) to be ordered after the
+    /// tensor's producer as the engine's own reads are.
+    ///
+    /// ```
+    /// # use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
+    /// # use fusion_streams::burn::StreamId;
+    /// let client = FusionClient::<HostRuntime>::new(HostDevice::default()).unwrap();
+    /// let exec = client.execution_stream();
+    /// assert_ne!(exec, StreamId::current());
+    /// assert_eq!(client.execution_stream(), exec, "the same for the thread's whole life");
+    /// ```
+    pub fn execution_stream(&self) -> StreamId {
+        crate::stream::execution_stream()
+    }
+
     /// What the engine did and what it holds.
     pub fn stats(&self) -> EngineStats {
         self.inner.streams.stats()
@@ -308,7 +334,8 @@ impl<R: StreamRuntime> FusionClient<R> {
             )));
         }
         let (shape, dtype) = (crate::small::copy_shape(&data.shape), data.dtype);
-        let handle = R::upload(&self.inner.context, data)?;
+        // On the thread's execution stream, where its stream's work will use the buffer.
+        let handle = crate::stream::on_execution_stream(|| R::upload(&self.inner.context, data))?;
         Ok(self.adopt(Entry::Handle(handle), shape, dtype))
     }
 
@@ -327,7 +354,7 @@ impl<R: StreamRuntime> FusionClient<R> {
 
     /// Run the current stream's pending work (dispatch only, no device wait).
     pub fn drain(&self) {
-        self.inner.streams.drain(StreamId::current());
+        self.inner.streams.drain(crate::stream::current_stream());
     }
 
     /// Run the current stream's pending work and wait until the device has finished everything
@@ -338,7 +365,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     pub fn sync(&self) -> Result<()> {
         Self::refuse_reentry("FusionClient::sync")?;
         self.drain();
-        R::synchronize(&self.inner.context)
+        crate::stream::on_execution_stream(|| R::synchronize(&self.inner.context))
     }
 
     /// Start a custom operation named `name` (recorded as a burn [`CustomOpIr`]).
@@ -358,8 +385,11 @@ impl<R: StreamRuntime> FusionClient<R> {
         dtype: DType,
     ) -> Result<TensorData> {
         match entry {
-            // The wait for the device happens here, after the engine lock was released.
-            Entry::Handle(handle) => R::read_owned(&self.inner.context, handle, shape, dtype),
+            // The wait for the device happens here, after the engine lock was released, on the
+            // execution stream the engine ordered after the buffer's writes.
+            Entry::Handle(handle) => crate::stream::on_execution_stream(|| {
+                R::read_owned(&self.inner.context, handle, shape, dtype)
+            }),
             Entry::Failed(error) => Err(error),
         }
     }
@@ -400,7 +430,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         }
 
         // 2. The IRs move into the operation's body; the engine reads them there.
-        let current = StreamId::current();
+        let current = crate::stream::current_stream();
         let locals = A::map(operands, |o| Local::new(o, current));
         let built = build(A::map_ref(&locals, Local::ir)).and_then(|body| {
             let outputs = body.outputs();

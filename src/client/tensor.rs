@@ -113,7 +113,7 @@ impl<R: StreamRuntime> FusionTensor<R> {
 
     /// Whether the current thread's stream is this tensor's home.
     pub fn is_local(&self) -> bool {
-        StreamId::current() == self.inner.home.id
+        crate::stream::current_stream() == self.inner.home.id
     }
 
     /// The client this tensor belongs to.

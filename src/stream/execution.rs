@@ -150,7 +150,8 @@ impl<R: StreamRuntime> StreamState<R> {
             // Device work dispatched by the executors must land on this stream even when another
             // thread is draining it (to share or read one of its tensors).
             let fusing = self.fusing();
-            self.id.executes(|| match self.fuser.take() {
+            let (id, exec) = (self.id, self.exec);
+            super::exec::executes(id, exec, || match self.fuser.take() {
                 Some(mut fuser) if fusing => {
                     self.execute_fusing(&mut ops, &mut *fuser, lazy);
                     self.fuser = Some(fuser);
@@ -407,7 +408,7 @@ impl<R: StreamRuntime> StreamState<R> {
                     .into_iter()
                     .filter(|input| input.status == TensorStatus::ReadWrite)
                     .filter_map(|input| self.handles.get_handle_ref(&input.id))
-                    .filter(|handle| R::foreign_to(&self.context, handle, self.id))
+                    .filter(|handle| R::foreign_to(&self.context, handle, self.exec))
                     .cloned(),
             );
         }
@@ -579,6 +580,7 @@ mod tests {
         let ctx = Arc::new(HostRuntime::open(&Default::default()).unwrap());
         let upload = |v: f32| HostRuntime::upload(&ctx, TensorData::new(vec![v], [1])).unwrap();
         let mut state = StreamState::<HostRuntime>::new(
+            StreamId::current(),
             StreamId::current(),
             0,
             std::sync::Weak::new(),

@@ -68,7 +68,16 @@ impl Drop for ExitHooks {
         for (_, hook, stream) in self.0.get_mut().drain(..) {
             service::exit_drain(hook, stream);
         }
+        // What the thread's streams had queued is dispatched: a later thread may run on its
+        // execution stream.
+        super::exec::give_back();
     }
+}
+
+/// Whether this thread's exit hooks will still run (they have not started): arranges for them
+/// to run even if the thread never uses an engine stream.
+pub(crate) fn will_run_exit_hooks() -> bool {
+    EXIT_HOOKS.try_with(|_| ()).is_ok() && !exiting()
 }
 
 /// Whether this thread has started exiting (its exit hooks are running): it must not execute

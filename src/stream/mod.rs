@@ -1,6 +1,7 @@
 //! The multi-stream engine: per-thread lazy queues, shared views, foreign drops.
 
 mod cell;
+mod exec;
 mod execution;
 pub(crate) mod inbox;
 mod local;
@@ -17,6 +18,7 @@ use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
 pub(crate) use cell::{Consumed, InboxMessage, StreamCell, StreamGuard, in_engine};
+pub(crate) use exec::{current_stream, executes, execution_stream, on_execution_stream};
 use service::EngineHook;
 pub(crate) use state::{Entry, StreamCounters, StreamState};
 
@@ -416,6 +418,7 @@ impl<R: StreamRuntime> MultiStream<R> {
                 let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
                 Arc::new(StreamCell::new(StreamState::new(
                     id,
+                    exec::execution_stream(),
                     serial,
                     self.this.clone(),
                     self.config,
@@ -428,7 +431,7 @@ impl<R: StreamRuntime> MultiStream<R> {
 
     /// The state of the current thread's stream.
     pub(crate) fn current(&self) -> Arc<StreamCell<R>> {
-        let id = StreamId::current();
+        let id = exec::current_stream();
         if let Some(cell) = local::cached::<StreamCell<R>>(self.key, id) {
             return cell;
         }
@@ -628,6 +631,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         if in_engine() {
             return;
         }
+        let id = exec::engine_stream(id);
         if local::exiting() {
             service::drain(self.hook(), id);
             return;
@@ -670,6 +674,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         empty: T,
         f: impl FnOnce(&StreamState<R>) -> T,
     ) -> Result<T> {
+        let id = exec::engine_stream(id);
         let Some(cell) = self.streams.read().get(&id).cloned() else {
             return Ok(empty);
         };
@@ -743,7 +748,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         }
 
         let _timer = crate::profile::time(crate::profile::Section::Share);
-        let current = StreamId::current();
+        let current = exec::current_stream();
         let (entry, order) = {
             let (mut source, drained) = self.lock_materialised(src_home, &src);
             source.counters.shares += 1;
@@ -791,7 +796,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             return Err(Error::Reentrant { what });
         }
         let _timer = crate::profile::time(crate::profile::Section::Read);
-        let current = StreamId::current();
+        let current = exec::current_stream();
         let (mut state, _) = self.lock_materialised(home, &id);
         let entry = if release {
             state.take_for_read(id, "read")
@@ -805,8 +810,9 @@ impl<R: StreamRuntime> MultiStream<R> {
         Ok(entry)
     }
 
-    /// Whether stream `current` must be made to wait for `home`'s writes before it uses
-    /// `entry`'s buffer, decided under `home`'s lock.
+    /// Whether stream `current`, this thread's, must be made to wait for `home`'s writes before
+    /// it uses `entry`'s buffer, decided under `home`'s lock. On the backend both are their
+    /// execution streams ([`exec`]): this thread's, and `home`'s.
     ///
     /// One wait covers everything `home` dispatched, not only this buffer
     /// ([`StreamRuntime::order_use`]). So where `current` was made to wait for `home` while
@@ -822,12 +828,13 @@ impl<R: StreamRuntime> MultiStream<R> {
         let Entry::Handle(handle) = entry else {
             return Order::Covered;
         };
-        if !home.foreign_buffers || !R::foreign_to(&self.context, handle, current) {
+        if !home.foreign_buffers || !R::foreign_to(&self.context, handle, exec::execution_stream())
+        {
             return Order::Covered;
         }
         // `home`'s stamp describes the writes of the buffers `home` allocated, not those of a
         // view's buffer, which a third stream wrote.
-        let stamp = (!R::foreign_to(&self.context, handle, home.id)).then_some(home.stamp);
+        let stamp = (!R::foreign_to(&self.context, handle, home.exec)).then_some(home.stamp);
         if stamp.is_some() && local::ordered_after(self.key, current, home.id) == stamp {
             home.counters.orders_skipped += 1;
             return Order::Covered;
@@ -837,8 +844,8 @@ impl<R: StreamRuntime> MultiStream<R> {
     }
 
     /// Carry out what [`Self::plan_order`] decided, after `home`'s lock is released: make
-    /// `current` wait for the stream that allocated `entry`'s buffer, and remember up to which
-    /// stamp of `home` it did.
+    /// `current` (this thread's stream, on its execution stream) wait for the stream that
+    /// allocated `entry`'s buffer, and remember up to which stamp of `home` it did.
     fn order(
         &self,
         entry: &Entry<R::FusionHandle>,
@@ -851,7 +858,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         };
         {
             let _timer = crate::profile::time(crate::profile::Section::Order);
-            R::order_use(&self.context, handle, current);
+            R::order_use(&self.context, handle, exec::execution_stream());
         }
         if let Some(stamp) = stamp {
             local::note_ordered(self.key, current, home, stamp);
@@ -865,7 +872,7 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// a consumer dropping the tensors it received must not wait for that. Whoever holds the
     /// lock applies the free before releasing it ([`super::inbox`]), as a foreign drop.
     pub(crate) fn release(&self, home: &Arc<StreamCell<R>>, id: TensorId) {
-        let current = StreamId::current();
+        let current = exec::current_stream();
         if in_engine() || home.id != current {
             home.post(InboxMessage::Free(id));
             return;

@@ -85,6 +85,10 @@ fn next_stamp() -> u64 {
 /// Everything one stream owns. Only ever accessed under its [`super::cell::StreamCell`]'s lock.
 pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) id: StreamId,
+    /// The backend stream this stream's work runs on, wherever it is executed: its thread's
+    /// execution stream (see [`super::exec`]). Every backend-facing use of "this stream" (an
+    /// execution, `foreign_to`, `release_after_use`) means this one.
+    pub(crate) exec: StreamId,
     /// Tells this state apart from a later state of the same stream id (after a retirement).
     pub(crate) serial: u64,
     /// The engine, for what a state cannot do alone: retiring itself from the engine's map, and
@@ -150,6 +154,7 @@ pub(crate) struct StreamState<R: StreamRuntime> {
 impl<R: StreamRuntime> StreamState<R> {
     pub(crate) fn new(
         id: StreamId,
+        exec: StreamId,
         serial: u64,
         engine: Weak<super::MultiStream<R>>,
         config: crate::EngineConfig,
@@ -163,6 +168,7 @@ impl<R: StreamRuntime> StreamState<R> {
             stamp: next_stamp(),
             fusion,
             id,
+            exec,
             serial,
             engine,
             fuser,
@@ -280,7 +286,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// stream may still be read by work the stream dispatched, so its handle waits in
     /// `released` for [`StreamState::settle`] instead.
     pub(crate) fn let_go(&mut self, handle: R::FusionHandle) {
-        if R::foreign_to(&self.context, &handle, self.id) {
+        if R::foreign_to(&self.context, &handle, self.exec) {
             self.released.push(handle);
         }
     }
@@ -299,7 +305,7 @@ impl<R: StreamRuntime> StreamState<R> {
     fn hand_released(&mut self) {
         let _timer = crate::profile::time(crate::profile::Section::Release);
         let released = std::mem::take(&mut self.released);
-        R::release_after_use(&self.context, self.id, released);
+        R::release_after_use(&self.context, self.exec, released);
     }
 
     /// A drop of `id`'s last live tensor on its home thread: enqueue the free behind the
@@ -319,7 +325,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// orphaned stream's thread is gone, and an exiting thread runs nothing any more: both free
     /// like a foreign thread does.
     pub(crate) fn release(&mut self, id: TensorId) {
-        self.release_by(id, StreamId::current());
+        self.release_by(id, super::exec::current_stream());
     }
 
     /// [`Self::release`] by a thread whose stream is `current`.
@@ -338,7 +344,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Whether the calling thread is this stream's home thread, alive and able to run what it
     /// queues (the home/foreign decision of a last drop).
     fn on_home_thread(&self) -> bool {
-        self.is_home(StreamId::current())
+        self.is_home(super::exec::current_stream())
     }
 
     /// [`Self::on_home_thread`] for a thread whose stream is `current`.
@@ -359,7 +365,7 @@ impl<R: StreamRuntime> StreamState<R> {
         let foreign = || {
             self.handles
                 .get_handle_ref(&id)
-                .is_some_and(|handle| R::foreign_to(&self.context, handle, self.id))
+                .is_some_and(|handle| R::foreign_to(&self.context, handle, self.exec))
         };
         if self.retired || self.queue_references(id) || foreign() {
             let entry = self.entry(&id, op);
@@ -523,7 +529,7 @@ impl<R: StreamRuntime> StreamState<R> {
             return false;
         }
         match self.producer_position(id) {
-            Some(at) if StreamId::current() != self.id => {
+            Some(at) if super::exec::current_stream() != self.id => {
                 self.counters.drains += 1;
                 tracing::trace!(stream = %self.id, ops = at + 1, left = self.queue.len() - at - 1, "drain through a shared tensor");
                 self.cut_by_current_thread(|state| state.execute_through(at + 1));
@@ -538,7 +544,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// on any other.
     fn cut_by_current_thread(&mut self, drain: impl FnOnce(&mut Self)) {
         use crate::runtime::Cut;
-        let cut = if StreamId::current() == self.id {
+        let cut = if super::exec::current_stream() == self.id {
             Cut::Own
         } else {
             Cut::Foreign

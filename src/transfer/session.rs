@@ -25,7 +25,8 @@ impl<R: StreamRuntime> Publishable<R> for FusionTensor<R> {
     }
 }
 
-/// A held session on a client's stream: captures [`StreamId::current`] when opened.
+/// A held session on a client's stream: captures the current thread's stream when opened, and
+/// the backend stream its work runs on ([`FusionClient::execution_stream`]).
 ///
 /// * `!Send` and `!Sync`: it belongs to the thread whose stream it captured.
 /// * One per (client, stream) at a time: a second [`HeldSession::open`] on the same stream
@@ -46,6 +47,9 @@ impl<R: StreamRuntime> Publishable<R> for FusionTensor<R> {
 /// ```
 pub struct HeldSession<R: TransferRuntime> {
     client: FusionClient<R>,
+    /// The engine stream held (the thread's).
+    held: StreamId,
+    /// Its execution stream: where frontiers are recorded and copies run.
     stream: StreamId,
     _not_send: PhantomData<*const ()>,
 }
@@ -58,18 +62,27 @@ impl<R: TransferRuntime> HeldSession<R> {
                 what: "HeldSession::open",
             });
         }
-        let stream = StreamId::current();
-        client.claim_session(stream)?;
+        let held = crate::stream::current_stream();
+        client.claim_session(held)?;
         Ok(Self {
             client: client.clone(),
-            stream,
+            held,
+            stream: client.execution_stream(),
             _not_send: PhantomData,
         })
     }
 
-    /// The captured stream.
+    /// The captured stream, as the backend knows it: the execution stream the session's work
+    /// runs on ([`FusionClient::execution_stream`]), where its publications' frontiers are
+    /// recorded and their copies run ([`SourcePublication::stream`]).
     pub fn stream(&self) -> StreamId {
         self.stream
+    }
+
+    /// Run `f` as the session's stream: the engine sees the held stream as current, the backend
+    /// its execution stream.
+    fn on_stream<T>(&self, f: impl FnOnce() -> T) -> T {
+        crate::stream::executes(self.held, self.stream, f)
     }
 
     /// The client.
@@ -79,13 +92,13 @@ impl<R: TransferRuntime> HeldSession<R> {
 
     /// Dispatch the work queued on the captured stream, without waiting for the device.
     pub fn submit(&mut self) {
-        self.client.streams().drain(self.stream);
+        self.client.streams().drain(self.held);
     }
 
     /// Dispatch the queued work and wait for the device; releases completed records of the
     /// runtime's retirement queue.
     pub fn synchronize(&mut self) -> Result<()> {
-        self.stream.executes(|| self.client.sync())
+        self.on_stream(|| self.client.sync())
     }
 
     /// Release the hold. Publications made from this session stay valid.
@@ -196,11 +209,11 @@ impl<R: TransferRuntime> HeldSession<R> {
             return reject(value, Error::Reentrant { what: "publish" });
         }
 
-        let stream = self.stream;
+        let (held, stream) = (self.held, self.stream);
         let streams = self.client.streams();
-        stream.executes(|| {
+        self.on_stream(|| {
             // Dispatch everything the session queued: no lazy source work in the later copy.
-            streams.drain(stream);
+            streams.drain(held);
             // The value's producer is dispatched (its home stream drained if it was pending). A
             // value from another stream needs no view here: its writers all ran on its home
             // stream or on the buffer's allocating stream, which the frontier covers.
@@ -230,13 +243,14 @@ impl<R: TransferRuntime> HeldSession<R> {
 
 impl<R: TransferRuntime> Drop for HeldSession<R> {
     fn drop(&mut self) {
-        self.client.release_session(self.stream);
+        self.client.release_session(self.held);
     }
 }
 
 impl<R: TransferRuntime> fmt::Debug for HeldSession<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HeldSession")
+            .field("held", &self.held)
             .field("stream", &self.stream)
             .finish()
     }
