@@ -49,6 +49,9 @@
 #                                               # thread's time on a core and what it waits in
 #   ./scripts/gpu-evidence.sh pipeline-warm [DIR] # pipeline/1 per contender alone on fresh
 #                                               # and on reused cubecl stream slots
+#   ./scripts/gpu-evidence.sh execution-streams [DIR] # pipeline/1 per contender on new threads,
+#                                               # the pipeline rows, then the cross-thread
+#                                               # tests plain and under the sanitizers at once
 #   ./scripts/gpu-evidence.sh pipeline-cold [DIR] # pipeline/1 per contender from process start:
 #                                               # cubecl's device thread through the first calls
 #   ./scripts/gpu-evidence.sh pipeline-stacks [DIR] # pipeline/1 per contender, natively: every
@@ -400,6 +403,43 @@ pipeline-warm)
                 step "pipeline-untimed-$untimed" timeout 560 ./gpu-bin/bench-backend --bench
         fi
     done
+    ;;
+execution-streams)
+    # Execution streams (src/stream/exec.rs: a new thread runs on the backend stream of one that
+    # exited). pipeline/1 alone per contender after 1 untimed call, each call a new producer
+    # thread (before: ours paid a fresh cubecl slot per call), and ours after 130 for the warm
+    # reference; the pipeline rows as the bench runs them; then the cross-thread correctness
+    # set, plain and under the sanitizers, all at once on the one GPU.
+    for who in ours unfused plain; do
+        FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=$who \
+            FUSION_STREAMS_BENCH_UNTIMED=1 FUSION_STREAMS_BENCH_ROUNDS=15 \
+            step "pipeline1-$who-untimed-1" timeout 120 ./gpu-bin/bench-backend --bench
+    done
+    FUSION_STREAMS_BENCH_ONLY=pipeline/1 FUSION_STREAMS_BENCH_SOLO=ours \
+        FUSION_STREAMS_BENCH_UNTIMED=130 FUSION_STREAMS_BENCH_ROUNDS=15 \
+        step pipeline1-ours-untimed-130 timeout 120 ./gpu-bin/bench-backend --bench
+    FUSION_STREAMS_BENCH_ONLY=pipeline/ FUSION_STREAMS_BENCH_ROUNDS=15 \
+        step pipeline-rows timeout 240 ./gpu-bin/bench-backend --bench
+    main=tensors_that_cross_streams_are_read_after_their_writes_and_never_reused_under_a_reader
+    step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture &
+    step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1 &
+    step backend-threads ./gpu-bin/backend_threads --ignored &
+    step publish ./gpu-bin/publish --ignored --test-threads=1 &
+    step publish-download-cuda ./gpu-bin/publish_download &
+    (
+        export FUSION_STREAMS_RACE_ROUNDS=11 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20
+        export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000
+        for tool in racecheck memcheck; do
+            step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
+                --exact $main --nocapture &
+        done
+        step suite-backend-racecheck "$cs" --tool racecheck ./gpu-bin/suite_backend --ignored \
+            --test-threads=1 &
+        step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored &
+        step publish-memcheck "$cs" --tool memcheck ./gpu-bin/publish --ignored --test-threads=1 &
+        wait
+    )
+    wait
     ;;
 pipeline-cold)
     # The first calls of pipeline/1 on fresh cubecl streams (docs/BENCHMARKS.md, "Fresh cubecl
