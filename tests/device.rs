@@ -55,16 +55,21 @@ fn in_child(name: &str, marker: &str) -> bool {
 }
 
 /// A share from thread B drains stream A: A's queued work must still run on A's cubecl stream
-/// (the engine executes it inside `StreamId::executes(A)`), and B's own work on B's.
+/// (the engine executes it on A's execution stream, `FusionClient::execution_stream`), and B's
+/// own work on B's.
 #[test]
 #[ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"]
 fn a_drain_from_another_thread_runs_on_the_source_stream() {
     let c = client();
-    let main = burn_backend::StreamId::current();
+    let main = c.execution_stream();
     let x = suite::f32s(&c, &[1.0, 2.0]);
     let y = x.scale(2.0).unwrap(); // queued on main
     let peer = Peer::spawn();
-    let peer_stream = peer.stream();
+    let peer_stream = peer.run({
+        let c = c.clone();
+        move || c.execution_stream()
+    });
+    assert_ne!(peer_stream, main);
     let y2 = y.clone();
     let z = peer.run(move || {
         let view = y2.clone(); // drains main from the peer thread
