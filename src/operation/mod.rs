@@ -34,7 +34,8 @@ pub(crate) use queued::{IntoQueued, PendingOp, QueuedOp};
 ///
 /// `execute` runs on the thread that executes the stream (the registering thread, or a thread that
 /// drains the stream to share or read one of its tensors), with [`burn_backend::StreamId::current`]
-/// set to the operation's stream. It must:
+/// set to the operation's stream's execution stream ([`crate::FusionClient::execution_stream`] of
+/// the stream's thread), where its device work must land. It must:
 ///
 /// * take its inputs from `handles` with the status recorded in its IR (`ReadWrite` inputs are
 ///   consumed and may be reused in place);
