@@ -5,10 +5,11 @@
 //!
 //! cubecl 0.10 gives every thread that asks a new [`StreamId`], never reused, and keeps its
 //! per-stream state in 128 slots chosen by `id % 128`: a CUDA stream, and pools of device memory
-//! and of page-locked host memory, each starting empty. A fused kernel's launch uploads its
-//! shapes and strides through the slot's page-locked pool, and that pool's first use maps a large
-//! page. So until 128 threads have come and gone, each new thread that runs fused work pays for a
-//! fresh slot: 5–8 ms per thread on an H100 (`docs/BENCHMARKS.md`, "Fresh cubecl streams").
+//! and of page-locked host memory, each starting empty. So until 128 threads have come and gone,
+//! each new thread starts on a fresh slot, and one that runs fused work paid 5–8 ms more for it on
+//! an H100 (measured: `docs/BENCHMARKS.md`, "Fresh cubecl streams"; by cubecl-cuda's code, a fused
+//! kernel's launch uploads its shapes and strides through the slot's page-locked pool, whose first
+//! use maps a 20 MB page).
 //!
 //! # What the engine does instead
 //!
