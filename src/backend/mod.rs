@@ -136,6 +136,8 @@ impl<B> fmt::Debug for StreamFusion<B> {
     }
 }
 
+/// The engines of every backend type and device opened so far. Nothing removes one: an engine
+/// opened here serves the rest of the process, so its client is [`FusionClient::immortal`].
 type Clients = Mutex<HashMap<(TypeId, DeviceId), Arc<dyn Any + Send + Sync>>>;
 
 fn clients() -> &'static Clients {
@@ -152,7 +154,7 @@ impl<B: IrBackend> StreamFusion<B> {
         let entry = clients.entry(key).or_insert_with(|| {
             let client = FusionClient::<BackendRuntime<B>>::new(device.clone())
                 .expect("opening a burn backend device cannot fail");
-            Arc::new(client)
+            Arc::new(client.immortal())
         });
         entry
             .downcast_ref::<FusionClient<BackendRuntime<B>>>()
@@ -170,7 +172,7 @@ impl<B: IrBackend> StreamFusion<B> {
         }
         let client = FusionClient::<BackendRuntime<B>>::with_config(device.clone(), config)
             .expect("opening a burn backend device cannot fail");
-        clients.insert(key, Arc::new(client));
+        clients.insert(key, Arc::new(client.immortal()));
         true
     }
 

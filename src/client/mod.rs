@@ -22,8 +22,11 @@ use crate::small::{Arity, Gather, Many};
 use crate::stream::{EngineConfig, EngineStats, Entry, MultiStream, in_engine};
 use crate::{Error, Result};
 
+mod counted;
 mod ops;
 mod tensor;
+
+use counted::Counted;
 
 pub use tensor::FusionTensor;
 
@@ -54,7 +57,7 @@ struct ClientInner<R: StreamRuntime> {
 /// # Ok::<(), fusion_streams::Error>(())
 /// ```
 pub struct FusionClient<R: StreamRuntime> {
-    inner: Arc<ClientInner<R>>,
+    inner: Counted<ClientInner<R>>,
 }
 
 impl<R: StreamRuntime> Clone for FusionClient<R> {
@@ -212,7 +215,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     pub fn with_config(device: R::FusionDevice, config: EngineConfig) -> Result<Self> {
         let context = Arc::new(R::open(&device)?);
         Ok(Self {
-            inner: Arc::new(ClientInner {
+            inner: Counted::new(ClientInner {
                 streams: MultiStream::new(config, context.clone()),
                 context,
                 device,
@@ -280,9 +283,19 @@ impl<R: StreamRuntime> FusionClient<R> {
         self.inner.sessions.lock().remove(&stream);
     }
 
+    /// This client, its engine kept open for the rest of the process: neither it nor its clones
+    /// (nor the tensors it makes) keep a count of the engine's owners, so recording an operation
+    /// touches nothing that other threads recording on the engine touch too. For engines that
+    /// are never closed, as [`crate::backend::StreamFusion`]'s are.
+    pub(crate) fn immortal(self) -> Self {
+        Self {
+            inner: self.inner.immortal(),
+        }
+    }
+
     /// Whether two clients are the same engine.
     pub fn same_engine(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+        self.inner.ptr_eq(&other.inner)
     }
 
     fn refuse_reentry(what: &'static str) -> Result<()> {
