@@ -129,10 +129,11 @@ pub(crate) fn current_stream() -> StreamId {
 /// inside an executing operation that passes [`StreamId::current`] to the engine names that
 /// stream, as it did before execution streams existed.
 pub(crate) fn engine_stream(id: StreamId) -> StreamId {
-    if id.value < EXEC_BASE || id != StreamId::current() {
-        return id;
+    if id == StreamId::current() {
+        current_stream()
+    } else {
+        id
     }
-    executing_or(id)
 }
 
 #[cold]
