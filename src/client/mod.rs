@@ -43,7 +43,10 @@ struct ClientInner<R: StreamRuntime> {
 ///
 /// Cheap to clone (a reference count); every clone is the same engine. Tensors keep their client
 /// alive. Dropping the last owner of the runtime context (the last client, tensor, or — with the
-/// transfer module — publication) shuts the device down, waiting for in-flight work.
+/// transfer module — publication) shuts the device down, waiting for in-flight work. The engines
+/// of [`StreamFusion`](crate::backend::StreamFusion) are the exception: they stay open for the
+/// rest of the process, and their clients and tensors count no owners at all, so threads
+/// recording on one engine share no reference count.
 ///
 /// ```
 /// use fusion_streams::{FusionClient, host::{HostDevice, HostRuntime}};
