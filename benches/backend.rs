@@ -699,6 +699,20 @@ fn main() {
             config.max_queue_len, config.max_fused_len, config.dispatch_closed_runs
         );
     }
+    let launching = Ours::client(&device)
+        .streams()
+        .config()
+        .max_launching_threads;
+    eprintln!(
+        "our engine: threads launching at once at most {}",
+        launching.map_or("(no bound)".to_string(), |n| {
+            if n == usize::MAX {
+                "(no bound)".into()
+            } else {
+                n.to_string()
+            }
+        })
+    );
     let rounds = std::env::var("FUSION_STREAMS_BENCH_ROUNDS")
         .ok()
         .and_then(|n| n.parse().ok())

@@ -551,6 +551,27 @@ fn autodiff_over_stream_fusion_matches_plain() {
     }
 }
 
+/// How many threads may launch at once by default (`EngineConfig::max_launching_threads`): on
+/// CUDA, whose launches cubecl hands all to one device thread, half the machine's hardware
+/// threads; on NdArray, which computes on the executing thread, no bound.
+#[test]
+#[cfg_attr(
+    feature = "cuda",
+    ignore = "needs an NVIDIA GPU: build with scripts/gpu-tests.sh, run on a GPU machine"
+)]
+fn launching_threads_are_bounded_on_cuda_only() {
+    let bound = Ours::client(&Default::default())
+        .streams()
+        .config()
+        .max_launching_threads;
+    let want = if cfg!(feature = "cuda") {
+        (std::thread::available_parallelism().unwrap().get() / 2).max(1)
+    } else {
+        usize::MAX
+    };
+    assert_eq!(bound, Some(want));
+}
+
 /// The gradient of `autodiff_over_stream_fusion_matches_plain`'s loss with respect to `w`,
 /// computed in f64: with `h = x·w`, `loss = sum(gelu(h)·wᵀ)`, so
 /// `dw = xᵀ·(1·w ⊙ gelu'(h)) + 1ᵀ·gelu(h)` (`1` the 3×2 matrix of ones).

@@ -50,12 +50,9 @@ fn budget() -> usize {
         .unwrap_or(20_000)
 }
 
-fn run(threads: usize, ops: usize) -> (Peaks, Duration) {
-    let c: Client = FusionClient::<HostRuntime>::with_config(
-        HostDevice::default(),
-        EngineConfig::default().with_max_queue_len(QUEUE),
-    )
-    .unwrap();
+fn run(threads: usize, ops: usize, config: EngineConfig) -> (Peaks, Duration) {
+    let c: Client =
+        FusionClient::<HostRuntime>::with_config(HostDevice::default(), config).unwrap();
     let slots: Arc<Vec<Mutex<Option<Tensor>>>> =
         Arc::new((0..4 * threads).map(|_| Mutex::new(None)).collect());
     // Tensors alive outside the pool (taken out of a slot for an op) are counted too.
@@ -182,7 +179,7 @@ fn threads_sharing_a_pool_stay_bounded_and_never_deadlock() {
         "T", "time", "ops/s", "peak handles", "peak shared", "peak live tens.", "excess"
     );
     for threads in [2, 4, 8, 16] {
-        let (peaks, elapsed) = run(threads, ops);
+        let (peaks, elapsed) = run(threads, ops, config());
         println!(
             "{threads:>3} {:>9.1?} {:>10.0} {:>13} {:>13} {:>15} {:>8}",
             elapsed,
@@ -205,5 +202,22 @@ fn threads_sharing_a_pool_stay_bounded_and_never_deadlock() {
             peaks.shared_sources <= peaks.live_tensors + threads * QUEUE,
             "T={threads}: {peaks:?}"
         );
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig::default().with_max_queue_len(QUEUE)
+}
+
+/// The same pool behind a launch gate that lets one thread execute at a time: a thread holding
+/// the permit drains other threads' streams (to share their tensors) while those threads wait at
+/// the gate holding their streams' locks. The gate's bounded wait must keep that from ever
+/// deadlocking, and the results right.
+#[test]
+fn threads_behind_a_launch_gate_of_one_never_deadlock() {
+    let ops = budget() / 4;
+    for threads in [4, 16] {
+        let (_, elapsed) = run(threads, ops, config().with_max_launching_threads(1));
+        println!("T={threads} behind a gate of one: {ops} ops in {elapsed:.1?}");
     }
 }

@@ -38,8 +38,9 @@ pub fn names() -> Vec<String> {
 /// The engine settings the environment asks for, if it asks for any:
 /// `FUSION_STREAMS_BENCH_QUEUE_LEN=<n>` (`EngineConfig::max_queue_len`),
 /// `FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS=<0|1>` (`EngineConfig::dispatch_closed_runs`) and
-/// `FUSION_STREAMS_BENCH_MAX_FUSED_LEN=<n>` (`EngineConfig::max_fused_len`), each over the
-/// default.
+/// `FUSION_STREAMS_BENCH_MAX_FUSED_LEN=<n>` (`EngineConfig::max_fused_len`) and
+/// `FUSION_STREAMS_BENCH_LAUNCHING_THREADS=<n>` (`EngineConfig::max_launching_threads`, 0 for no
+/// bound), each over the default.
 pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
     let knob = |name| {
         std::env::var(name)
@@ -49,7 +50,8 @@ pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
     let queue_len = knob("FUSION_STREAMS_BENCH_QUEUE_LEN");
     let dispatch = knob("FUSION_STREAMS_BENCH_DISPATCH_CLOSED_RUNS").map(|on| on != 0);
     let fused_len = knob("FUSION_STREAMS_BENCH_MAX_FUSED_LEN");
-    if queue_len.is_none() && dispatch.is_none() && fused_len.is_none() {
+    let launching = knob("FUSION_STREAMS_BENCH_LAUNCHING_THREADS");
+    if queue_len.is_none() && dispatch.is_none() && fused_len.is_none() && launching.is_none() {
         return None;
     }
     let mut config = fusion_streams::EngineConfig::default();
@@ -61,6 +63,10 @@ pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
     }
     if let Some(len) = fused_len {
         config = config.with_max_fused_len(len);
+    }
+    // 0: no bound.
+    if let Some(n) = launching {
+        config = config.with_max_launching_threads(if n == 0 { usize::MAX } else { n });
     }
     Some(config)
 }

@@ -298,6 +298,16 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         ctx.rules.is_some()
     }
 
+    /// On a CubeCL CUDA device (the one whose streams need rules): half the machine's hardware
+    /// threads. cubecl 0.10 hands every launch to the device's one thread, and threads that
+    /// find its buffer full spin; half leaves a core, SMT sibling included, for each launching
+    /// thread and room for the device thread (measured: `docs/BENCHMARKS.md`, "The launch gate").
+    fn launching_threads(ctx: &BackendContext<B>) -> Option<usize> {
+        ctx.rules.as_ref()?;
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Some((threads / 2).max(1))
+    }
+
     fn order_use(ctx: &BackendContext<B>, handle: &B::Handle, stream: StreamId) {
         if let Some(rules) = &ctx.rules {
             rules.order_use(handle, stream);

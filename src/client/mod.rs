@@ -351,7 +351,10 @@ impl<R: StreamRuntime> FusionClient<R> {
         }
         let (shape, dtype) = (crate::small::copy_shape(&data.shape), data.dtype);
         // On the thread's execution stream, where its stream's work will use the buffer.
-        let handle = crate::stream::on_execution_stream(|| R::upload(&self.inner.context, data))?;
+        let handle = {
+            let _permit = self.inner.streams.launch_gate().map(|gate| gate.enter());
+            crate::stream::on_execution_stream(|| R::upload(&self.inner.context, data))?
+        };
         Ok(self.adopt(Entry::Handle(handle), shape, dtype))
     }
 

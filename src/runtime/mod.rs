@@ -206,6 +206,15 @@ pub trait StreamRuntime: FusionRuntime {
         false
     }
 
+    /// How many threads should run work on `ctx`'s device at once, if the runtime wants a bound
+    /// (the default for [`EngineConfig::max_launching_threads`](crate::EngineConfig::max_launching_threads)):
+    /// for a device whose work all passes through one thread, where launching threads beyond
+    /// what the machine runs beside it only slow each other down. `None` (the default): no bound.
+    fn launching_threads(ctx: &Self::Context) -> Option<usize> {
+        let _ = ctx;
+        None
+    }
+
     /// Whether [`StreamRuntime::foreign_to`] can say `true` for any buffer of `ctx`. `false`
     /// lets the engine skip looking up each consumed operand's handle to ask. `true` by default,
     /// so that a runtime that overrides `foreign_to` alone stays right; a runtime whose buffers

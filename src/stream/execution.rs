@@ -151,6 +151,10 @@ impl<R: StreamRuntime> StreamState<R> {
             // thread is draining it (to share or read one of its tensors).
             let fusing = self.fusing();
             let (id, exec) = (self.id, self.exec);
+            // Out of `self` while the permit borrows it (the execution needs `self` whole); an
+            // unwind leaves the stream ungated, never a permit held.
+            let gate = self.gate.take();
+            let permit = super::gate::enter(gate.as_deref());
             super::exec::executes(id, exec, || match self.fuser.take() {
                 Some(mut fuser) if fusing => {
                     self.execute_fusing(&mut ops, &mut *fuser, lazy);
@@ -170,6 +174,8 @@ impl<R: StreamRuntime> StreamState<R> {
                     self.fuser = fuser;
                 }
             });
+            drop(permit);
+            self.gate = gate;
             // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
             // empty: give it back what is left (an open run) and its allocation.
             debug_assert!(self.queue.is_empty());
@@ -579,15 +585,10 @@ mod tests {
     fn an_output_id_that_already_has_a_handle_is_an_ssa_violation() {
         let ctx = Arc::new(HostRuntime::open(&Default::default()).unwrap());
         let upload = |v: f32| HostRuntime::upload(&ctx, TensorData::new(vec![v], [1])).unwrap();
-        let mut state = StreamState::<HostRuntime>::new(
-            StreamId::current(),
-            StreamId::current(),
-            0,
-            std::sync::Weak::new(),
-            crate::EngineConfig::default().with_max_queue_len(8),
-            ctx.clone(),
-            Default::default(),
-        );
+        let config = crate::EngineConfig::default().with_max_queue_len(8);
+        let engine = super::super::MultiStream::new(config, ctx.clone());
+        let mut state =
+            StreamState::<HostRuntime>::new(StreamId::current(), StreamId::current(), 0, &engine);
         let existing = crate::id::fresh_tensor_id();
         state.handles.register_handle(existing, upload(1.0));
         let out = burn_ir::TensorIr {

@@ -3,6 +3,7 @@
 mod cell;
 mod exec;
 mod execution;
+mod gate;
 pub(crate) mod inbox;
 mod local;
 mod service;
@@ -75,6 +76,15 @@ pub struct EngineConfig {
     /// records the next one, instead of after `max_queue_len` more operations. Default on; off,
     /// a fusing stream waits for `max_queue_len` like one that does not fuse.
     pub dispatch_closed_runs: bool,
+    /// How many threads may run work on the device at once: execute their streams' queues, or
+    /// upload. The others wait, asleep, for a turn (at most a millisecond, then they go ahead).
+    /// `None` (the default) leaves it to the runtime ([`StreamRuntime::launching_threads`]):
+    /// half the machine's hardware threads on a CUDA device, whose launches cubecl 0.10 all
+    /// hands to one device thread, where more launching threads only slow each other down; no
+    /// bound on NdArray, which runs each operation on the thread that executes it. `Some(n)`
+    /// lets `n` through (at least 1); `Some(usize::MAX)` sets no bound. Reads and syncs are never
+    /// held back: they wait for the device, and launch nothing more.
+    pub max_launching_threads: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -85,6 +95,7 @@ impl Default for EngineConfig {
             fusion: true,
             max_fused_len: 512,
             dispatch_closed_runs: true,
+            max_launching_threads: None,
         }
     }
 }
@@ -112,6 +123,13 @@ impl EngineConfig {
     /// Settings with fusion on or off (see [`EngineConfig::fusion`]).
     pub fn with_fusion(mut self, fusion: bool) -> Self {
         self.fusion = fusion;
+        self
+    }
+
+    /// Settings letting at most `n` threads run work on the device at once (see
+    /// [`EngineConfig::max_launching_threads`]; `usize::MAX`: no bound).
+    pub fn with_max_launching_threads(mut self, n: usize) -> Self {
+        self.max_launching_threads = Some(n.max(1));
         self
     }
 
@@ -361,12 +379,20 @@ pub struct MultiStream<R: StreamRuntime> {
     retired: Mutex<StreamCounters>,
     /// Whether streams fuse now (see [`MultiStream::set_fusion`]); shared with every stream.
     fusion: Arc<AtomicBool>,
+    /// The bound on threads running work on the device at once, if there is one (see
+    /// [`EngineConfig::max_launching_threads`]); shared with every stream.
+    gate: Option<Arc<gate::LaunchGate>>,
     this: Weak<Self>,
 }
 
 impl<R: StreamRuntime> MultiStream<R> {
     pub(crate) fn new(config: EngineConfig, context: Arc<R::Context>) -> Arc<Self> {
         service::start();
+        let launching = config
+            .max_launching_threads
+            .or_else(|| R::launching_threads(&context))
+            .filter(|&n| n != usize::MAX);
+        let gate = launching.map(|n| Arc::new(gate::LaunchGate::new(n)));
         Arc::new_cyclic(|this| Self {
             key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             context,
@@ -378,6 +404,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             streams: RwLock::new(HashMap::new()),
             retired: Mutex::new(StreamCounters::default()),
             fusion: Arc::new(AtomicBool::new(config.fusion)),
+            gate,
             this: this.clone(),
         })
     }
@@ -386,8 +413,14 @@ impl<R: StreamRuntime> MultiStream<R> {
     pub fn config(&self) -> EngineConfig {
         EngineConfig {
             fusion: self.fusion_on(),
+            max_launching_threads: Some(self.gate.as_ref().map_or(usize::MAX, |g| g.limit())),
             ..self.config
         }
+    }
+
+    /// The bound on threads running work on the device at once, if there is one.
+    pub(crate) fn launch_gate(&self) -> Option<&gate::LaunchGate> {
+        self.gate.as_deref()
     }
 
     /// Whether fusion is on now (see [`EngineConfig::fusion`]); one relaxed load.
@@ -416,15 +449,8 @@ impl<R: StreamRuntime> MultiStream<R> {
             .entry(id)
             .or_insert_with(|| {
                 let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
-                Arc::new(StreamCell::new(StreamState::new(
-                    id,
-                    exec::execution_stream(),
-                    serial,
-                    self.this.clone(),
-                    self.config,
-                    self.context.clone(),
-                    self.fusion.clone(),
-                )))
+                let exec = exec::execution_stream();
+                Arc::new(StreamCell::new(StreamState::new(id, exec, serial, self)))
             })
             .clone()
     }

@@ -109,6 +109,10 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) dispatch_closed_runs: bool,
     /// The engine's switch for fusion (see `MultiStream::set_fusion`).
     pub(crate) fusion: Arc<std::sync::atomic::AtomicBool>,
+    /// The engine's bound on threads running work on the device at once, if any: an execution
+    /// of this queue holds a permit (see `super::gate`). Taken out while an execution holds its
+    /// permit, and put back after.
+    pub(crate) gate: Option<Arc<super::gate::LaunchGate>>,
     /// Handles of the tensors whose home is this stream, and of nothing else (stream locality).
     pub(crate) handles: StreamHandles<R::FusionHandle>,
     /// Error records: tensors whose producer failed. Disjoint from `handles`.
@@ -152,25 +156,25 @@ pub(crate) struct StreamState<R: StreamRuntime> {
 }
 
 impl<R: StreamRuntime> StreamState<R> {
+    /// The state of a new stream `id` of `engine`, running on the backend stream `exec`.
     pub(crate) fn new(
         id: StreamId,
         exec: StreamId,
         serial: u64,
-        engine: Weak<super::MultiStream<R>>,
-        config: crate::EngineConfig,
-        context: Arc<R::Context>,
-        fusion: Arc<std::sync::atomic::AtomicBool>,
+        engine: &super::MultiStream<R>,
     ) -> Self {
+        let (config, context) = (engine.config, engine.context.clone());
         let fuser = R::fuser(&context);
         let foreign_buffers = R::has_foreign_buffers(&context);
         Self {
             foreign_buffers,
             stamp: next_stamp(),
-            fusion,
+            fusion: engine.fusion.clone(),
+            gate: engine.gate.clone(),
             id,
             exec,
             serial,
-            engine,
+            engine: engine.this.clone(),
             fuser,
             context,
             max_queue_len: config.max_queue_len,

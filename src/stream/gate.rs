@@ -1,0 +1,230 @@
+//! The launch gate: how many threads run work on one device at once.
+//!
+//! # Why a bound helps
+//!
+//! cubecl 0.10 hands every launch and allocation of every thread to one device thread per device,
+//! through a buffer of 32 tasks. A thread that finds the buffer full spins (up to 524,288 spin
+//! hints) before it yields, waiting for the device thread to take the buffer. When more threads
+//! launch at once than the machine can run beside the device thread, the spinning threads hold
+//! the cores (and the execution units the device thread's core shares with its SMT sibling)
+//! that the device thread needs to empty the buffer, and every thread's launches slow down
+//! together. Measured on an H100 host with 16 hardware threads, 16 threads running the backend
+//! bench's small MLP forward reached 0.73–0.82 of the rate one thread reaches launching the same
+//! kernels back to back; bounded to 8 at a time, 1.21 (`docs/BENCHMARKS.md`, "The launch gate").
+//!
+//! # What the gate does
+//!
+//! At most `limit` threads hold a permit of a gate at once. The engine takes one around each
+//! execution of a stream's queue and each upload: the work that sends launches and allocations
+//! to the device. Reads and syncs do not take one: they wait for the device, and a thread
+//! waiting there spins on nothing and must not keep another from launching.
+//!
+//! * A thread that finds no permit free sleeps until one is given back (not spinning: the point
+//!   is to leave the cores to the threads that launch and to the device thread).
+//! * **A wait is bounded** ([`PATIENCE`]): a thread that has waited that long goes ahead without
+//!   a permit. The gate can delay a thread, never stop it. That matters because a thread holding
+//!   a permit can wait for another stream's lock (draining it to share one of its tensors), and
+//!   the thread holding that lock can be one waiting at the gate.
+//! * **Re-entrant:** a thread that holds a permit of a gate takes no second one from it (an
+//!   execution that drains another stream of the same engine runs under the permit it has).
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+/// The longest a thread waits for a permit before it goes ahead without one.
+pub(crate) const PATIENCE: Duration = Duration::from_millis(1);
+
+/// A bound on how many threads run work on one device at once (see the module docs).
+#[derive(Debug)]
+pub(crate) struct LaunchGate {
+    limit: usize,
+    /// Permits held.
+    inside: AtomicUsize,
+    /// Threads asleep waiting for a permit.
+    waiting: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+std::thread_local! {
+    /// The gate whose permit this thread holds, if any (by address, for re-entry only).
+    static HELD: Cell<usize> = const { Cell::new(0) };
+}
+
+impl LaunchGate {
+    /// A gate letting `limit` threads through at once (at least 1).
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            limit: limit.max(1),
+            inside: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        }
+    }
+
+    /// How many threads it lets through at once.
+    pub(crate) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Wait for a permit (at most [`PATIENCE`]); none is taken by a thread that holds one already.
+    pub(crate) fn enter(&self) -> Permit<'_> {
+        let me = self as *const Self as usize;
+        let outer = HELD.with(Cell::get);
+        if outer == me {
+            return Permit { gate: None, outer };
+        }
+        if !self.try_take() {
+            self.wait();
+        }
+        HELD.with(|held| held.set(me));
+        Permit {
+            gate: Some(self),
+            outer,
+        }
+    }
+
+    fn try_take(&self) -> bool {
+        self.inside
+            .fetch_update(Ordering::SeqCst, Ordering::Relaxed, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wait(&self) {
+        let deadline = Instant::now() + PATIENCE;
+        let mut lock = self.lock.lock();
+        // Counted before the last look, so a permit given back after it wakes this thread
+        // (`Permit::drop` reads `waiting` after giving its permit back; both are SeqCst).
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        while !self.try_take() {
+            if self.wake.wait_until(&mut lock, deadline).timed_out() {
+                // Overdrawn: counted as inside, so its permit's return balances.
+                self.inside.fetch_add(1, Ordering::SeqCst);
+                break;
+            }
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn give_back(&self) {
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            let _lock = self.lock.lock();
+            self.wake.notify_one();
+        }
+    }
+}
+
+/// A held permit of a [`LaunchGate`] (or none, for a thread that held one already); given back
+/// on drop.
+#[must_use = "the permit is given back when dropped"]
+pub(crate) struct Permit<'a> {
+    gate: Option<&'a LaunchGate>,
+    /// What this thread held before (restored on drop).
+    outer: usize,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if let Some(gate) = self.gate {
+            HELD.with(|held| held.set(self.outer));
+            gate.give_back();
+        }
+    }
+}
+
+/// Enter `gate` if there is one.
+#[inline]
+pub(crate) fn enter(gate: Option<&LaunchGate>) -> Option<Permit<'_>> {
+    gate.map(LaunchGate::enter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn at_most_limit_threads_hold_a_permit_at_once() {
+        let gate = Arc::new(LaunchGate::new(2));
+        let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let threads: Vec<_> = (0..6)
+            .map(|_| {
+                let (gate, now, most) = (gate.clone(), now.clone(), most.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        let _permit = gate.enter();
+                        let inside = now.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(inside, Ordering::SeqCst);
+                        // Shorter than the patience: no thread should need to overdraw.
+                        std::thread::sleep(Duration::from_micros(50));
+                        now.fetch_sub(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        // Overdrawing (after PATIENCE) may let a third in on a slow machine; never all six.
+        let most = most.load(Ordering::SeqCst);
+        assert!((1..6).contains(&most), "{most} threads were inside at once");
+        assert_eq!(
+            gate.inside.load(Ordering::SeqCst),
+            0,
+            "every permit given back"
+        );
+    }
+
+    #[test]
+    fn a_thread_waits_at_most_the_patience_then_goes_ahead() {
+        let gate = LaunchGate::new(1);
+        let held = gate.enter();
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _second = gate.enter();
+                assert_eq!(
+                    gate.inside.load(Ordering::SeqCst),
+                    2,
+                    "overdrawn, and counted"
+                );
+            });
+        });
+        assert!(start.elapsed() >= PATIENCE, "it waited first");
+        drop(held);
+        assert_eq!(gate.inside.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_holder_enters_again_without_a_second_permit() {
+        let (gate, other) = (LaunchGate::new(1), LaunchGate::new(1));
+        let outer = gate.enter();
+        {
+            let _inner = gate.enter();
+            assert_eq!(gate.inside.load(Ordering::SeqCst), 1);
+            let _elsewhere = other.enter();
+            assert_eq!(
+                other.inside.load(Ordering::SeqCst),
+                1,
+                "another gate: its own permit"
+            );
+            let _again = gate.enter();
+            assert_eq!(
+                gate.inside.load(Ordering::SeqCst),
+                2,
+                "not held any more: a new one"
+            );
+        }
+        drop(outer);
+        assert_eq!(gate.inside.load(Ordering::SeqCst), 0);
+        assert_eq!(other.inside.load(Ordering::SeqCst), 0);
+    }
+}
