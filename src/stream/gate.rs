@@ -216,7 +216,10 @@ mod tests {
                 1,
                 "another gate: its own permit"
             );
+            // The permit this thread holds last is the other gate's: this one is entered anew
+            // (overdrawn after the wait, since its one permit is taken).
             let _again = gate.enter();
+            assert_eq!(gate.inside.load(Ordering::SeqCst), 2);
             assert_eq!(
                 gate.inside.load(Ordering::SeqCst),
                 2,
