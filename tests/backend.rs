@@ -930,14 +930,19 @@ mod cuda_fusion {
         let client = Ours::client(&device);
         let (x, y) = inputs::<Plain>(n, &device);
         let want = (halvings(x) + y).exp().into_data();
-        // B's run is cut when B exits: unfused the first time (`CUT_SIGHTINGS_ENV`), one
-        // kernel the second.
+        // On B, a sum (which the elementwise fuser does not take) closes the chain's run, and B
+        // dispatches it as one kernel, before the sum. (A run left open would be cut by B's
+        // exit, which counts as a foreign cut and runs unfused: `tests/cut_runs.rs`.)
         let before = client.stats();
         for round in 0..2 {
             let (x, y) = inputs::<Ours>(n, &device);
-            let on_b = std::thread::spawn(move || (halvings(x) + y).exp())
-                .join()
-                .unwrap();
+            let on_b = std::thread::spawn(move || {
+                let t = (halvings(x) + y).exp();
+                drop(t.clone().sum());
+                t
+            })
+            .join()
+            .unwrap();
             let got = std::thread::spawn(move || on_b.into_data()).join().unwrap();
             let (worst, same) = compare(&got, &want);
             println!(
