@@ -27,6 +27,11 @@
 #   ./scripts/gpu-evidence.sh solo [DIR]        # attention/128 and softmax/64 alone per contender
 #                                               # (the same four), 7 rounds each, with the split;
 #                                               # after a bench run has warmed the autotune cache
+#   ./scripts/gpu-evidence.sh correctness [DIR] # the cross-thread set of execution-streams, then
+#                                               # the device tests and the backend tests
+#   ./scripts/gpu-evidence.sh launch-gate [DIR] # the MLP rows at 8 and 16 threads with the
+#                                               # device-thread ceiling, with the launch gate off
+#                                               # and at 6, 8 and 12 threads (off and 8 twice)
 #   ./scripts/gpu-evidence.sh targets [DIR]     # issue 28's CUDA rows in one process (the full
 #                                               # backend bench with the ceiling, 5 rounds,
 #                                               # verbose), then pipeline alone with section
@@ -125,6 +130,31 @@ alone() {
     done
 }
 
+# The cross-thread correctness set, plain and under the sanitizers, all at once on the one GPU:
+# the cross-stream program, the suite, the thread programs, publication and its example.
+cross_thread_set() {
+    main=tensors_that_cross_streams_are_read_after_their_writes_and_never_reused_under_a_reader
+    step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture &
+    step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1 &
+    step backend-threads ./gpu-bin/backend_threads --ignored &
+    step publish ./gpu-bin/publish --ignored --test-threads=1 &
+    step publish-download-cuda ./gpu-bin/publish_download &
+    (
+        export FUSION_STREAMS_RACE_ROUNDS=11 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20
+        export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000
+        for tool in racecheck memcheck; do
+            step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
+                --exact $main --nocapture &
+        done
+        step suite-backend-racecheck "$cs" --tool racecheck ./gpu-bin/suite_backend --ignored \
+            --test-threads=1 &
+        step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored &
+        step publish-memcheck "$cs" --tool memcheck ./gpu-bin/publish --ignored --test-threads=1 &
+        wait
+    )
+    wait
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 case "$what" in
 tests)
@@ -210,6 +240,16 @@ performance)
 bench-full)
     # The backend benchmark in full (with the device-thread ceiling).
     step bench-backend-cuda ./gpu-bin/bench-backend --bench
+    ;;
+launch-gate)
+    # How many threads may launch at once (EngineConfig::max_launching_threads; the default is
+    # half the hardware threads): the rows it moves, 5 rounds, one process per bound, alternated.
+    nproc
+    for n in 0 6 8 12 0 8; do
+        FUSION_STREAMS_BENCH_LAUNCHING_THREADS=$n FUSION_STREAMS_BENCH_ROUNDS=5 \
+            FUSION_STREAMS_BENCH_ONLY=threads/8,threads/16 \
+            step "launch-gate-$n-$SECONDS" ./gpu-bin/bench-backend --bench
+    done
     ;;
 targets)
     # Every row of issue 28's first and third targets, side by side in one process, with what
@@ -420,26 +460,14 @@ execution-streams)
         step pipeline1-ours-untimed-130 timeout 120 ./gpu-bin/bench-backend --bench
     FUSION_STREAMS_BENCH_ONLY=pipeline/ FUSION_STREAMS_BENCH_ROUNDS=15 \
         step pipeline-rows timeout 240 ./gpu-bin/bench-backend --bench
-    main=tensors_that_cross_streams_are_read_after_their_writes_and_never_reused_under_a_reader
-    step cross-stream ./gpu-bin/cross_stream --ignored --exact $main --nocapture &
-    step suite-backend ./gpu-bin/suite_backend --ignored --test-threads=1 &
-    step backend-threads ./gpu-bin/backend_threads --ignored &
-    step publish ./gpu-bin/publish --ignored --test-threads=1 &
-    step publish-download-cuda ./gpu-bin/publish_download &
-    (
-        export FUSION_STREAMS_RACE_ROUNDS=11 FUSION_STREAMS_RACE_SIZE=256 FUSION_STREAMS_RACE_EACH=20
-        export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=1000000
-        for tool in racecheck memcheck; do
-            step "cross-stream-$tool" "$cs" --tool "$tool" ./gpu-bin/cross_stream --ignored \
-                --exact $main --nocapture &
-        done
-        step suite-backend-racecheck "$cs" --tool racecheck ./gpu-bin/suite_backend --ignored \
-            --test-threads=1 &
-        step backend-threads-racecheck "$cs" --tool racecheck ./gpu-bin/backend_threads --ignored &
-        step publish-memcheck "$cs" --tool memcheck ./gpu-bin/publish --ignored --test-threads=1 &
-        wait
-    )
-    wait
+    cross_thread_set
+    ;;
+correctness)
+    # The cross-thread correctness set (as in execution-streams), then the device tests and
+    # StreamFusion<CubeBackend>'s tests, one after another.
+    cross_thread_set
+    step device-tests ./gpu-bin/device --ignored --test-threads=1
+    step backend-cuda ./gpu-bin/backend --ignored --test-threads=1
     ;;
 pipeline-cold)
     # The first calls of pipeline/1 on fresh cubecl streams (docs/BENCHMARKS.md, "Fresh cubecl
