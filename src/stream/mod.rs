@@ -409,7 +409,8 @@ impl<R: StreamRuntime> MultiStream<R> {
         })
     }
 
-    /// The engine's settings (with [`EngineConfig::fusion`] as it is now).
+    /// The engine's settings (with [`EngineConfig::fusion`] as it is now, and
+    /// [`EngineConfig::max_launching_threads`] the bound in force: `Some(usize::MAX)` for none).
     pub fn config(&self) -> EngineConfig {
         EngineConfig {
             fusion: self.fusion_on(),
