@@ -300,8 +300,9 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
 
     /// On a CubeCL CUDA device (the one whose streams need rules): half the machine's hardware
     /// threads. cubecl 0.10 hands every launch to the device's one thread, and threads that
-    /// find its buffer full spin; half leaves a core, SMT sibling included, for each launching
-    /// thread and room for the device thread (measured: `docs/BENCHMARKS.md`, "The launch gate").
+    /// find its buffer full spin; on an H100 host's 16 hardware threads, bounds of 6 and 8 kept
+    /// 16 MLP threads above one thread's back-to-back rate, 12 and 15 did not
+    /// (`docs/BENCHMARKS.md`, "The launch gate").
     fn launching_threads(ctx: &BackendContext<B>) -> Option<usize> {
         ctx.rules.as_ref()?;
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());

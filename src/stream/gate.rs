@@ -4,13 +4,17 @@
 //!
 //! cubecl 0.10 hands every launch and allocation of every thread to one device thread per device,
 //! through a buffer of 32 tasks. A thread that finds the buffer full spins (up to 524,288 spin
-//! hints) before it yields, waiting for the device thread to take the buffer. When more threads
-//! launch at once than the machine can run beside the device thread, the spinning threads hold
-//! the cores (and the execution units the device thread's core shares with its SMT sibling)
-//! that the device thread needs to empty the buffer, and every thread's launches slow down
-//! together. Measured on an H100 host with 16 hardware threads, 16 threads running the backend
-//! bench's small MLP forward reached 0.73–0.82 of the rate one thread reaches launching the same
-//! kernels back to back; bounded to 8 at a time, 1.21 (`docs/BENCHMARKS.md`, "The launch gate").
+//! hints) before it yields, waiting for the device thread to take the buffer. With many threads
+//! launching, the spinners compete with the device thread that must empty the buffer, and every
+//! thread's launches slow down together.
+//!
+//! Measured on an H100 host with 16 hardware threads (`docs/BENCHMARKS.md`, "The launch gate"):
+//! 16 threads running the backend bench's small MLP forward reached 0.73–0.85 of the rate one
+//! thread reaches launching the same kernels back to back (below their rate at 8 threads,
+//! 1.16–1.28). Bounded to 15 or 12 launching at once, 0.81–0.90; to 8, 1.07–1.21; to 6, 1.12.
+//! So the bound that helps is near half the hardware threads, not one fewer than them: what
+//! the device thread loses is more than a core to run on (the SMT sibling it shares a core with
+//! is one candidate; the machine's topology was not read).
 //!
 //! # What the gate does
 //!
