@@ -32,7 +32,9 @@
 //!    (Ours fuses the bias add and the ReLU into one kernel, so it launches fewer kernels per
 //!    forward than the ceiling does: the fraction is of forwards, what the user gets.) Each of
 //!    its rounds measures the ceiling and ours side by side; the fraction is the median of the
-//!    rounds' fractions.
+//!    rounds' fractions. Each line also counts how often our threads slept at the engine's
+//!    launch gate and how often one went ahead past it after its 1 ms wait
+//!    (`EngineStats::launch_waits`, `launch_overdrafts`).
 //!
 //! Every measurement alternates ours and plain, `ROUNDS` times (each side first in every other
 //! round), and keeps the median.
@@ -649,8 +651,15 @@ fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[u
     let per_second = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
     mlp_back_to_back::<Plain>(&device, forwards);
     let mut ceilings = Vec::new();
+    // How often our threads waited at the launch gate, and went ahead past it (read outside
+    // the timed forwards).
+    let gate = || {
+        let stats = Ours::client(&device).streams().stats();
+        (stats.launch_waits, stats.launch_overdrafts)
+    };
     for &threads in mlp {
         let (mut rates, mut fractions) = (Vec::new(), Vec::new());
+        let before = gate();
         for _ in 0..rounds {
             let ceiling = per_second(forwards, mlp_back_to_back::<Plain>(&device, forwards));
             let ours = per_second(
@@ -661,11 +670,16 @@ fn ceiling(ratios: &mut Vec<(String, f64)>, rounds: usize, reps: usize, mlp: &[u
             rates.push(ours);
             fractions.push(ours / ceiling);
         }
+        let after = gate();
         let fraction = median_f64(fractions);
         eprintln!(
             "ceiling-threads/{threads:<8} {:>10.0} forwards/s   of ceiling {fraction:.3} \
-             (median of {rounds} paired rounds)",
-            median_f64(rates)
+             (median of {rounds} paired rounds; launch gate: {} waits, {} past it after 1 ms, \
+             over {} forwards)",
+            median_f64(rates),
+            after.0 - before.0,
+            after.1 - before.1,
+            rounds * threads * reps,
         );
         ratios.push((format!("ceiling-threads/{threads}"), fraction));
     }

@@ -221,3 +221,59 @@ fn threads_behind_a_launch_gate_of_one_never_deadlock() {
         println!("T={threads} behind a gate of one: {ops} ops in {elapsed:.1?}");
     }
 }
+
+/// A thread that finds the launch gate's one permit held sleeps, then goes ahead without a
+/// permit after the gate's patience; the engine's stats count both. Here the holder is an
+/// operation that keeps its permit until the other thread's execution has finished, so the
+/// other thread must go ahead past the gate (and this test would hang, not pass, if it could
+/// not).
+#[test]
+fn a_wait_at_the_launch_gate_and_going_past_it_are_counted() {
+    use std::sync::mpsc::channel;
+    let config = lazy_config().with_max_launching_threads(1);
+    let c: Client =
+        FusionClient::<HostRuntime>::with_config(HostDevice::default(), config).unwrap();
+    let input = f32s(&c, &[1.0, 2.0]);
+    let (ready_tx, ready_rx) = channel();
+    let (holding_tx, holding_rx) = channel();
+    let (done_tx, done_rx) = channel();
+    let other = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let x = f32s(&c, &[3.0, 4.0]);
+            ready_tx.send(()).unwrap();
+            holding_rx.recv().unwrap();
+            let y = custom_op(&c, "after the holder", &x, [2], pass_through);
+            let read = values(&y);
+            done_tx.send(()).unwrap();
+            read
+        })
+    };
+    ready_rx.recv().unwrap();
+    let before = c.stats();
+    let (holding_tx, done_rx) = (Mutex::new(holding_tx), Mutex::new(done_rx));
+    let held = custom_op(
+        &c,
+        "holds the permit",
+        &input,
+        [2],
+        move |op: &_, handles: &mut _| {
+            holding_tx.lock().unwrap().send(()).unwrap();
+            done_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(DEADLINE)
+                .expect("the other thread went past the gate");
+            pass_through(op, handles)
+        },
+    );
+    assert_eq!(values(&held), [1.0, 2.0]);
+    assert_eq!(other.join().unwrap(), [3.0, 4.0]);
+    let after = c.stats();
+    assert_eq!(after.launch_waits - before.launch_waits, 1, "{after:?}");
+    assert_eq!(
+        after.launch_overdrafts - before.launch_overdrafts,
+        1,
+        "{after:?}"
+    );
+}

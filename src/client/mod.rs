@@ -352,7 +352,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let (shape, dtype) = (crate::small::copy_shape(&data.shape), data.dtype);
         // On the thread's execution stream, where its stream's work will use the buffer.
         let handle = {
-            let _permit = self.inner.streams.launch_gate().map(|gate| gate.enter());
+            let _permit = crate::stream::enter_gate(self.inner.streams.launch_gate());
             crate::stream::on_execution_stream(|| R::upload(&self.inner.context, data))?
         };
         Ok(self.adopt(Entry::Handle(handle), shape, dtype))

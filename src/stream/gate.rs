@@ -33,7 +33,7 @@
 //!   execution that drains another stream of the same engine runs under the permit it has).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -49,6 +49,15 @@ pub(crate) struct LaunchGate {
     inside: AtomicUsize,
     /// Threads asleep waiting for a permit.
     waiting: AtomicUsize,
+    /// Entries that found no permit free and slept ([`EngineStats::launch_waits`]).
+    ///
+    /// [`EngineStats::launch_waits`]: crate::EngineStats::launch_waits
+    waits: AtomicU64,
+    /// Of those, the entries that went ahead without a permit after [`PATIENCE`]
+    /// ([`EngineStats::launch_overdrafts`]).
+    ///
+    /// [`EngineStats::launch_overdrafts`]: crate::EngineStats::launch_overdrafts
+    overdrafts: AtomicU64,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -65,6 +74,8 @@ impl LaunchGate {
             limit: limit.max(1),
             inside: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
+            waits: AtomicU64::new(0),
+            overdrafts: AtomicU64::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         }
@@ -73,6 +84,16 @@ impl LaunchGate {
     /// How many threads it lets through at once.
     pub(crate) fn limit(&self) -> usize {
         self.limit
+    }
+
+    /// Entries that slept for a permit, and those of them that went ahead without one, since
+    /// the gate was made. Counted on the waiting path only: a permit taken at once touches no
+    /// counter.
+    pub(crate) fn waits_and_overdrafts(&self) -> (u64, u64) {
+        (
+            self.waits.load(Ordering::Relaxed),
+            self.overdrafts.load(Ordering::Relaxed),
+        )
     }
 
     /// Wait for a permit (at most [`PATIENCE`]); none is taken by a thread that holds one already.
@@ -103,6 +124,7 @@ impl LaunchGate {
     #[cold]
     #[inline(never)]
     fn wait(&self) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + PATIENCE;
         let mut lock = self.lock.lock();
         // Counted before the last look, so a permit given back after it wakes this thread
@@ -112,6 +134,7 @@ impl LaunchGate {
             if self.wake.wait_until(&mut lock, deadline).timed_out() {
                 // Overdrawn: counted as inside, so its permit's return balances.
                 self.inside.fetch_add(1, Ordering::SeqCst);
+                self.overdrafts.fetch_add(1, Ordering::Relaxed);
                 break;
             }
         }
@@ -203,6 +226,7 @@ mod tests {
             });
         });
         assert!(start.elapsed() >= PATIENCE, "it waited first");
+        assert_eq!(gate.waits_and_overdrafts(), (1, 1), "one wait, overdrawn");
         drop(held);
         assert_eq!(gate.inside.load(Ordering::SeqCst), 0);
     }
@@ -223,7 +247,6 @@ mod tests {
             // The permit this thread holds last is the other gate's: this one is entered anew
             // (overdrawn after the wait, since its one permit is taken).
             let _again = gate.enter();
-            assert_eq!(gate.inside.load(Ordering::SeqCst), 2);
             assert_eq!(
                 gate.inside.load(Ordering::SeqCst),
                 2,
@@ -233,5 +256,11 @@ mod tests {
         drop(outer);
         assert_eq!(gate.inside.load(Ordering::SeqCst), 0);
         assert_eq!(other.inside.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            gate.waits_and_overdrafts(),
+            (1, 1),
+            "only the new entry waited"
+        );
+        assert_eq!(other.waits_and_overdrafts(), (0, 0));
     }
 }

@@ -20,6 +20,7 @@ use parking_lot::{Mutex, RwLock};
 
 pub(crate) use cell::{Consumed, InboxMessage, StreamCell, StreamGuard, in_engine};
 pub(crate) use exec::{current_stream, executes, execution_stream, on_execution_stream};
+pub(crate) use gate::enter as enter_gate;
 use service::EngineHook;
 pub(crate) use state::{Entry, StreamCounters, StreamState};
 
@@ -212,6 +213,12 @@ pub struct EngineStats {
     /// lock (to share or read one of its tensors): handed over without waiting, and queued in
     /// order by the lock's holder (see [`MultiStream`], "Recording never waits for a drain").
     pub ops_posted: u64,
+    /// Times a thread found every permit of the engine's launch gate taken and slept for one
+    /// ([`EngineConfig::max_launching_threads`]; always 0 without a bound).
+    pub launch_waits: u64,
+    /// Of those waits, the ones that ended after the gate's patience (1 ms) with the thread
+    /// going ahead without a permit: how often more threads than the bound were launching.
+    pub launch_overdrafts: u64,
     /// Streams left out of this snapshot because it was taken from inside an executing
     /// operation while their lock was held (always 0 outside the engine).
     pub streams_skipped: usize,
@@ -954,6 +961,9 @@ impl<R: StreamRuntime> MultiStream<R> {
             stats.add_counters(&state.counters);
         }
         stats.add_counters(&self.retired.lock());
+        if let Some(gate) = &self.gate {
+            (stats.launch_waits, stats.launch_overdrafts) = gate.waits_and_overdrafts();
+        }
         stats
     }
 }
