@@ -226,7 +226,8 @@ fn threads_behind_a_launch_gate_of_one_never_deadlock() {
 /// permit after the gate's patience; the engine's stats count both. Here the holder is an
 /// operation that keeps its permit until the other thread's execution has finished, so the
 /// other thread must go ahead past the gate (and this test would hang, not pass, if it could
-/// not).
+/// not). The other thread stays alive until the stats are read: its exit drains its stream,
+/// which would enter the gate again.
 #[test]
 fn a_wait_at_the_launch_gate_and_going_past_it_are_counted() {
     use std::sync::mpsc::channel;
@@ -237,6 +238,8 @@ fn a_wait_at_the_launch_gate_and_going_past_it_are_counted() {
     let (ready_tx, ready_rx) = channel();
     let (holding_tx, holding_rx) = channel();
     let (done_tx, done_rx) = channel();
+    let (read_tx, read_rx) = channel();
+    let (finish_tx, finish_rx) = channel::<()>();
     let other = {
         let c = c.clone();
         std::thread::spawn(move || {
@@ -246,7 +249,8 @@ fn a_wait_at_the_launch_gate_and_going_past_it_are_counted() {
             let y = custom_op(&c, "after the holder", &x, [2], pass_through);
             let read = values(&y);
             done_tx.send(()).unwrap();
-            read
+            read_tx.send(read).unwrap();
+            finish_rx.recv().unwrap();
         })
     };
     ready_rx.recv().unwrap();
@@ -268,8 +272,10 @@ fn a_wait_at_the_launch_gate_and_going_past_it_are_counted() {
         },
     );
     assert_eq!(values(&held), [1.0, 2.0]);
-    assert_eq!(other.join().unwrap(), [3.0, 4.0]);
+    assert_eq!(read_rx.recv().unwrap(), [3.0, 4.0]);
     let after = c.stats();
+    finish_tx.send(()).unwrap();
+    other.join().unwrap();
     assert_eq!(after.launch_waits - before.launch_waits, 1, "{after:?}");
     assert_eq!(
         after.launch_overdrafts - before.launch_overdrafts,
