@@ -482,17 +482,25 @@ impl<R: StreamRuntime> FusionClient<R> {
         };
 
         // 3. (Most operations have local operands only: nothing to mint.)
-        let home = locals.as_ref().iter().find_map(Local::home).cloned();
+        //
+        // SAFETY: the home is a local operand's, and that operand's tensor outlives every use
+        // of `home` below: a borrowed one is the caller's; an owned one stays in `owned` until
+        // after the operation is recorded, unless step 4 recycles it into an output, which
+        // keeps its home (it is this very cell) and is returned to the caller.
+        let home = (locals.as_ref().iter().find_map(Local::home))
+            .map(|cell| unsafe { crate::stream::CellRef::borrowed(cell) });
         let mut owned = A::map(locals, Local::into_owned);
 
         // 4. (An exiting thread records through the engine's general path.)
         let streams = &self.inner.streams;
-        let Some(cell) = streams.recording_target(home.as_ref(), current) else {
+        let Some(cell) = streams.recording_target(home, current) else {
+            let home = home.map(|cell| cell.to_arc());
             let home = home.as_ref().map(|cell| (cell, current));
             let outputs = streams.register(home, body, |cell, state, body| {
                 let mut consumed = crate::stream::Consumed::new();
+                let cell = crate::stream::Target::Found(cell.clone());
                 let outputs =
-                    self.settle_operands::<O, B>(body, cell, owned.as_mut(), &mut consumed);
+                    self.settle_operands::<O, B>(body, &cell, owned.as_mut(), &mut consumed);
                 consumed
                     .into_iter()
                     .for_each(|id| state.forget_shared_source(id));
@@ -503,7 +511,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         };
         let mut consumed = crate::stream::Consumed::new();
         let outputs = self.settle_operands::<O, B>(&body, &cell, owned.as_mut(), &mut consumed);
-        streams.record(&cell, body, consumed);
+        streams.record(cell.cell(), body, consumed);
 
         // 5. The read-only owned operands (and consumed ones no output reused) go now.
         drop(owned);
@@ -519,7 +527,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     fn settle_operands<O: Gather<FusionTensor<R>>, B: crate::operation::OpBody<R>>(
         &self,
         body: &B,
-        home: &Arc<crate::stream::StreamCell<R>>,
+        home: &crate::stream::Target<R>,
         owned: &mut [Option<FusionTensor<R>>],
         consumed: &mut crate::stream::Consumed,
     ) -> O {
@@ -560,7 +568,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     fn output_tensor(
         &self,
         out: &TensorIr,
-        home: &Arc<crate::stream::StreamCell<R>>,
+        home: &crate::stream::Target<R>,
         recycled: Option<FusionTensor<R>>,
     ) -> FusionTensor<R> {
         let Some(mut tensor) = recycled else {
@@ -568,7 +576,7 @@ impl<R: StreamRuntime> FusionClient<R> {
                 out.id,
                 crate::small::copy_shape(&out.shape),
                 out.dtype,
-                home.clone(),
+                home.to_arc(),
                 self.clone(),
             );
         };
@@ -583,8 +591,8 @@ impl<R: StreamRuntime> FusionClient<R> {
         if !crate::small::same_dims(&inner.shape, &out.shape) {
             inner.shape = crate::small::copy_shape(&out.shape);
         }
-        if !Arc::ptr_eq(&inner.home, home) {
-            inner.home = home.clone();
+        if !home.is(&inner.home) {
+            inner.home = home.to_arc();
         }
         tensor
     }

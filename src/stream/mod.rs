@@ -29,19 +29,81 @@ use crate::runtime::StreamRuntime;
 use crate::{Error, Result};
 
 /// The current stream's cell, as [`MultiStream::recording_target`] finds it: an operand's home,
-/// or the thread's own.
-pub(crate) enum Target<'a, R: StreamRuntime> {
-    Home(&'a Arc<StreamCell<R>>),
+/// borrowed without touching its count, or the thread's own.
+pub(crate) enum Target<R: StreamRuntime> {
+    Home(CellRef<R>),
     Found(Arc<StreamCell<R>>),
 }
 
-impl<R: StreamRuntime> std::ops::Deref for Target<'_, R> {
-    type Target = Arc<StreamCell<R>>;
+impl<R: StreamRuntime> Target<R> {
     #[inline]
-    fn deref(&self) -> &Arc<StreamCell<R>> {
+    pub(crate) fn cell(&self) -> &StreamCell<R> {
         match self {
-            Target::Home(cell) => cell,
+            Target::Home(cell) => cell.get(),
             Target::Found(cell) => cell,
+        }
+    }
+
+    /// Whether `cell` is this target's cell.
+    #[inline]
+    pub(crate) fn is(&self, cell: &Arc<StreamCell<R>>) -> bool {
+        std::ptr::eq(self.cell(), Arc::as_ptr(cell))
+    }
+
+    /// A counted pointer to the cell, for a tensor that stays on it.
+    #[inline]
+    pub(crate) fn to_arc(&self) -> Arc<StreamCell<R>> {
+        match self {
+            Target::Home(cell) => cell.to_arc(),
+            Target::Found(cell) => cell.clone(),
+        }
+    }
+}
+
+/// A stream cell borrowed from an `Arc` that something else keeps alive, without the locked
+/// increment and decrement of a clone: what [`crate::FusionClient`]'s registration holds of its
+/// first operand's home while it moves that operand, maybe into an output (which keeps the
+/// cell). It holds no count, so it is made only with [`CellRef::borrowed`]'s promise.
+/// (Its copies are bound by the same promise.)
+pub(crate) struct CellRef<R: StreamRuntime>(std::ptr::NonNull<StreamCell<R>>);
+
+impl<R: StreamRuntime> Clone for CellRef<R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: StreamRuntime> Copy for CellRef<R> {}
+
+impl<R: StreamRuntime> CellRef<R> {
+    /// `cell`, borrowed without its count.
+    ///
+    /// # Safety
+    ///
+    /// An `Arc` of the same cell must live for as long as the returned value is used.
+    #[inline]
+    pub(crate) unsafe fn borrowed(cell: &Arc<StreamCell<R>>) -> Self {
+        // `Arc::as_ptr` is never null; the pointer is taken from the allocation, not through a
+        // reference, so moving or mutating the tensor that holds `cell` does not retire it.
+        Self(std::ptr::NonNull::new(Arc::as_ptr(cell).cast_mut()).expect("an Arc is not null"))
+    }
+
+    #[inline]
+    fn get(&self) -> &StreamCell<R> {
+        // SAFETY: an `Arc` of the cell lives while `self` is used (`borrowed`'s contract), and
+        // nothing takes a mutable reference into an `Arc`'s shared value.
+        unsafe { self.0.as_ref() }
+    }
+
+    /// A counted pointer to the cell.
+    #[inline]
+    pub(crate) fn to_arc(self) -> Arc<StreamCell<R>> {
+        let ptr = self.0.as_ptr().cast_const();
+        // SAFETY: `ptr` came from `Arc::as_ptr` of an `Arc` that still lives (`borrowed`'s
+        // contract), so adding a count and taking it as an `Arc` of its own is sound.
+        unsafe {
+            Arc::increment_strong_count(ptr);
+            Arc::from_raw(ptr)
         }
     }
 }
@@ -546,16 +608,16 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// the thread's exit hook, which runs only once it is exiting), so [`Self::record`] on the
     /// cell returned here never meets a stale state.
     #[inline]
-    pub(crate) fn recording_target<'a>(
+    pub(crate) fn recording_target(
         &self,
-        home: Option<&'a Arc<StreamCell<R>>>,
+        home: Option<CellRef<R>>,
         current: StreamId,
-    ) -> Option<Target<'a, R>> {
+    ) -> Option<Target<R>> {
         if local::exiting() {
             return None;
         }
         Some(match home {
-            Some(cell) if cell.id == current => Target::Home(cell),
+            Some(cell) if cell.get().id == current => Target::Home(cell),
             _ => Target::Found(self.current()),
         })
     }
