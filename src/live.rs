@@ -47,8 +47,9 @@ impl<T: Release> Live<T> {
     /// `Weak` could otherwise be upgraded during the check. A `Live` never makes a `Weak`, so
     /// one strong count, read with acquire ordering, is the whole answer: a plain load. Every
     /// recorded operation asks up to three times (to release a consumed operand and to recycle
-    /// its allocation for the output). Dropping those three and the two of an `Arc` clone per
-    /// operation made the 1 Ki chain ~1% faster on the 16-core H100 host
+    /// its allocation for the output). Those three locked instructions and the two of an `Arc`
+    /// clone of the operand's home (see `stream::CellRef`) cost the 1 Ki chain about 1% on a
+    /// 16-core H100 host, where callgrind counts them as five instructions
     /// (`docs/logs/2026-12-06-locked-ops-per-op.log`).
     #[cfg(not(loom))]
     #[inline]
