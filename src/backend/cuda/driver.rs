@@ -166,6 +166,22 @@ impl OwnedStream {
         })
     }
 
+    /// A stream of the context's greatest priority: the device schedules its blocks before any
+    /// waiting block of a stream of lower priority.
+    #[cfg(feature = "testing")]
+    fn urgent(primary: &Arc<PrimaryContext>) -> Result<Self> {
+        primary.make_current()?;
+        let (_, greatest) = result::stream::get_priority_range()
+            .map_err(|e| setup("cuCtxGetStreamPriorityRange", e))?;
+        let kind = result::stream::StreamKind::NonBlocking;
+        let stream = result::stream::create_with_priority(kind, greatest)
+            .map_err(|e| setup("cuStreamCreateWithPriority", e))?;
+        Ok(Self {
+            stream,
+            primary: primary.clone(),
+        })
+    }
+
     /// Wait for every copy enqueued so far.
     pub(super) fn synchronize(&self) -> Result<()> {
         self.primary.make_current()?;
@@ -261,7 +277,10 @@ pub(crate) fn trap_on_device(ordinal: usize) -> Result<()> {
     // SAFETY: `module` was just loaded and is never unloaded (the context is lost anyway).
     let function = unsafe { result::module::get_function(module, c"fusion_streams_trap".into()) }
         .map_err(|e| setup("cuModuleGetFunction", e))?;
-    let stream = OwnedStream::new(&primary)?;
+    // At the greatest priority, so that the fault comes while the work already queued on the
+    // device's other streams still runs (at the default priority it could wait for all of it;
+    // seen once on an H100: the publication's producer finished first).
+    let stream = OwnedStream::urgent(&primary)?;
     // SAFETY: the kernel takes no parameters and touches no memory.
     unsafe { result::launch_kernel(function, (1, 1, 1), (1, 1, 1), 0, stream.stream, &mut []) }
         .map_err(|e| setup("cuLaunchKernel", e))?;
