@@ -29,6 +29,9 @@
 #                                               # after a bench run has warmed the autotune cache
 #   ./scripts/gpu-evidence.sh correctness [DIR] # the cross-thread set of execution-streams, then
 #                                               # the device tests and the backend tests
+#   ./scripts/gpu-evidence.sh correctness-suite [DIR] # `correctness`, and beside it burn's CUDA
+#                                               # suite (scripts/gpu-suite.sh, its binary packed
+#                                               # in gpu-run/suite/): ~9 minutes on an H100
 #   ./scripts/gpu-evidence.sh launch-gate [DIR] # the MLP rows at 8 and 16 threads with the
 #                                               # device-thread ceiling, with the launch gate off
 #                                               # and at 6, 8 and 12 threads (off and 8 twice)
@@ -462,12 +465,22 @@ execution-streams)
         step pipeline-rows timeout 240 ./gpu-bin/bench-backend --bench
     cross_thread_set
     ;;
-correctness)
+correctness | correctness-suite)
     # The cross-thread correctness set (as in execution-streams), then the device tests and
-    # StreamFusion<CubeBackend>'s tests, one after another.
+    # StreamFusion<CubeBackend>'s tests, one after another; with `correctness-suite`, burn's
+    # CUDA suite runs at the same time (its four parts, each under SUITE_TIMEOUT), so that both
+    # fit one device call.
+    if [ "$what" = correctness-suite ]; then
+        SUITE_TIMEOUT=${SUITE_TIMEOUT:-420} bash scripts/gpu-suite.sh "$out" > "$out/suite-summary.txt" 2>&1 &
+        suite=$!
+    fi
     cross_thread_set
     step device-tests ./gpu-bin/device --ignored --test-threads=1
     step backend-cuda ./gpu-bin/backend --ignored --test-threads=1
+    if [ "$what" = correctness-suite ]; then
+        wait "$suite"
+        cat "$out/suite-summary.txt"
+    fi
     ;;
 pipeline-cold)
     # The first calls of pipeline/1 on fresh cubecl streams (docs/BENCHMARKS.md, "Fresh cubecl
