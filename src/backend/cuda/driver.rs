@@ -157,12 +157,9 @@ unsafe impl Sync for OwnedStream {}
 
 impl OwnedStream {
     pub(super) fn new(primary: &Arc<PrimaryContext>) -> Result<Self> {
-        primary.make_current()?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| setup("cuStreamCreate", e))?;
-        Ok(Self {
-            stream,
-            primary: primary.clone(),
+        Self::create(primary, || {
+            result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| setup("cuStreamCreate", e))
         })
     }
 
@@ -170,14 +167,23 @@ impl OwnedStream {
     /// waiting block of a stream of lower priority.
     #[cfg(feature = "testing")]
     fn urgent(primary: &Arc<PrimaryContext>) -> Result<Self> {
+        Self::create(primary, || {
+            let (_, greatest) = result::stream::get_priority_range()
+                .map_err(|e| setup("cuCtxGetStreamPriorityRange", e))?;
+            let kind = result::stream::StreamKind::NonBlocking;
+            result::stream::create_with_priority(kind, greatest)
+                .map_err(|e| setup("cuStreamCreateWithPriority", e))
+        })
+    }
+
+    /// A stream made by `create` with `primary` current.
+    fn create(
+        primary: &Arc<PrimaryContext>,
+        create: impl FnOnce() -> Result<sys::CUstream>,
+    ) -> Result<Self> {
         primary.make_current()?;
-        let (_, greatest) = result::stream::get_priority_range()
-            .map_err(|e| setup("cuCtxGetStreamPriorityRange", e))?;
-        let kind = result::stream::StreamKind::NonBlocking;
-        let stream = result::stream::create_with_priority(kind, greatest)
-            .map_err(|e| setup("cuStreamCreateWithPriority", e))?;
         Ok(Self {
-            stream,
+            stream: create()?,
             primary: primary.clone(),
         })
     }
