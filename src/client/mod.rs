@@ -185,8 +185,29 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
         match self {
             Local::Owned(tensor) => Some(tensor),
             Local::Borrowed(_) => None,
-            Local::Foreign { source, view } => Some(source.tensor().share_as(view)),
+            Local::Foreign { source, view } => Some(Self::mint_view(source, view)),
         }
+    }
+
+    /// A foreign operand's view, minted under `view` (see [`Self::into_owned`]). Out of line:
+    /// most operations have local operands only, and every recording path has a copy of
+    /// `into_owned`.
+    #[cold]
+    #[inline(never)]
+    fn mint_view(source: Operand<'a, R>, view: burn_ir::TensorId) -> FusionTensor<R> {
+        source.tensor().share_as(view)
+    }
+
+    /// What a rejected operation hands back: the tensors the caller handed over, unchanged and
+    /// in order, with `error`.
+    #[cold]
+    #[inline(never)]
+    fn reject(locals: impl IntoIterator<Item = Self>, error: Error) -> Rejected<FusionTensor<R>> {
+        let returned = locals
+            .into_iter()
+            .filter_map(Local::into_returned)
+            .collect();
+        Rejected { error, returned }
     }
 }
 
@@ -194,6 +215,8 @@ impl<'a, R: StreamRuntime> Local<'a, R> {
 pub(crate) type Operands<'a, R> = SmallVec<[Operand<'a, R>; 2]>;
 
 /// Hand back the tensors a rejected call took by value.
+#[cold]
+#[inline(never)]
 pub(crate) fn hand_back<'a, R: StreamRuntime + 'a>(
     operands: impl IntoIterator<Item = Operand<'a, R>>,
     error: Error,
@@ -206,6 +229,17 @@ pub(crate) fn hand_back<'a, R: StreamRuntime + 'a>(
         })
         .collect();
     Rejected { error, returned }
+}
+
+/// The error for an operation `op` that declared `outputs` outputs where its caller gathers
+/// another number.
+#[cold]
+#[inline(never)]
+fn wrong_output_count(op: &str, outputs: usize) -> Error {
+    Error::InvalidOperation {
+        op: op.into(),
+        detail: format!("{outputs} outputs, where its caller takes another number"),
+    }
 }
 
 impl<R: StreamRuntime> FusionClient<R> {
@@ -319,6 +353,8 @@ impl<R: StreamRuntime> FusionClient<R> {
 
     /// The error for `tensor` of another client: it names both devices, and says so when the
     /// two clients are on the same device (two engines, where the caller likely meant one).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn foreign_tensor(&self, tensor: &FusionTensor<R>) -> Error {
         let (theirs, ours) = (tensor.client().device(), self.device());
         let detail = if theirs == ours {
@@ -454,13 +490,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         let built = build(A::map_ref(&locals, Local::ir)).and_then(|body| {
             let outputs = body.outputs();
             if !O::fits(outputs.len()) {
-                return Err(Error::InvalidOperation {
-                    op: body.name().into(),
-                    detail: format!(
-                        "{} outputs, where its caller takes another number",
-                        outputs.len()
-                    ),
-                });
+                return Err(wrong_output_count(body.name(), outputs.len()));
             }
             outputs
                 .iter()
@@ -472,13 +502,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         });
         let body = match built {
             Ok(body) => body,
-            Err(error) => {
-                let returned = locals
-                    .into_iter()
-                    .filter_map(Local::into_returned)
-                    .collect();
-                return Err(Rejected { error, returned });
-            }
+            Err(error) => return Err(Local::reject(locals, error)),
         };
 
         // 3. (Most operations have local operands only: nothing to mint.)
@@ -494,20 +518,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         // 4. (An exiting thread records through the engine's general path.)
         let streams = &self.inner.streams;
         let Some(cell) = streams.recording_target(home, current) else {
-            let home = home.map(|cell| cell.to_arc());
-            let home = home.as_ref().map(|cell| (cell, current));
-            let outputs = streams.register(home, body, |cell, state, body| {
-                let mut consumed = crate::stream::Consumed::new();
-                let cell = crate::stream::Target::Found(cell.clone());
-                let outputs =
-                    self.settle_operands::<O, B>(body, &cell, owned.as_mut(), &mut consumed);
-                consumed
-                    .into_iter()
-                    .for_each(|id| state.forget_shared_source(id));
-                outputs
-            });
-            drop(owned);
-            return Ok(outputs);
+            return Ok(self.register_exiting::<B, O>(home, current, body, owned.as_mut()));
         };
         let mut consumed = crate::stream::Consumed::new();
         let outputs = self.settle_operands::<O, B>(&body, &cell, owned.as_mut(), &mut consumed);
@@ -516,6 +527,33 @@ impl<R: StreamRuntime> FusionClient<R> {
         // 5. The read-only owned operands (and consumed ones no output reused) go now.
         drop(owned);
         Ok(outputs)
+    }
+
+    /// Steps 4 and 5 of [`Self::register`] on an exiting thread, through the engine's general
+    /// path (out of line: a thread exits once, and every kind of operation has its own copy of
+    /// `register`).
+    #[cold]
+    #[inline(never)]
+    fn register_exiting<B: IntoQueued<R>, O: Gather<FusionTensor<R>>>(
+        &self,
+        home: Option<crate::stream::CellRef<R>>,
+        current: StreamId,
+        body: B,
+        owned: &mut [Option<FusionTensor<R>>],
+    ) -> O {
+        let home = home.map(|cell| cell.to_arc());
+        let home = home.as_ref().map(|cell| (cell, current));
+        self.inner
+            .streams
+            .register(home, body, |cell, state, body| {
+                let mut consumed = crate::stream::Consumed::new();
+                let cell = crate::stream::Target::Found(cell.clone());
+                let outputs = self.settle_operands::<O, B>(body, &cell, owned, &mut consumed);
+                consumed
+                    .into_iter()
+                    .for_each(|id| state.forget_shared_source(id));
+                outputs
+            })
     }
 
     /// Step 4 of [`Self::register`] for the operation `body` recorded on `home`: each
