@@ -8,17 +8,17 @@
 #
 # `scripts/per-op-cost.sh` counts instructions only; this is the model behind the instruction-
 # miss figures of docs/BENCHMARKS.md ("Running each operation at its record", "A fuser for
-# NdArray"). It takes a few minutes on the 2-core dev machine. With `--keep DIR`, the callgrind
+# NdArray"). It takes about a minute on the 2-core dev machine. With `--keep DIR`, the callgrind
 # outputs (per-instruction dumps) stay in DIR for callgrind_annotate.
 #
 #   scripts/cache-model.sh [--keep DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=$(mktemp -d)
 if [ "${1:-}" = "--keep" ]; then
   dir=${2:?--keep needs a directory}
   mkdir -p "$dir"
 else
+  dir=$(mktemp -d)
   trap 'rm -rf "$dir"' EXIT
 fi
 bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |

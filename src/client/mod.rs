@@ -529,9 +529,9 @@ impl<R: StreamRuntime> FusionClient<R> {
         Ok(outputs)
     }
 
-    /// Steps 4 and 5 of [`Self::register`] on an exiting thread, through the engine's general
-    /// path (out of line: a thread exits once, and every kind of operation has its own copy of
-    /// `register`).
+    /// Step 4 of [`Self::register`] on an exiting thread, through the engine's general path (the
+    /// caller drops the owned operands after, as step 5). Out of line: a thread exits once, and
+    /// every kind of operation has its own copy of `register`.
     #[cold]
     #[inline(never)]
     fn register_exiting<B: IntoQueued<R>, O: Gather<FusionTensor<R>>>(
