@@ -12,7 +12,11 @@
 #
 # Then the same for the small MLP forward of benches/backend.rs (batch 32, 64 -> 128 -> 16, one
 # read each, one rayon thread): the engine's instructions per forward, over 100 more forwards,
-# and plain's instructions over ours (the MLP's ratio as an instruction count, without noise).
+# and plain's instructions over ours (the MLP's ratio as an instruction count). Those totals
+# move by a thousand or more between runs: rayon's worker spins, waiting for work, for as long
+# as the scheduler lets it. The second MLP line counts the recording thread alone (callgrind's
+# `--separate-threads`), where the engine's work is and the matmuls' is not; it moves by a few
+# hundred.
 #
 #   scripts/per-op-cost.sh [--top N]
 set -euo pipefail
@@ -26,6 +30,14 @@ dir=$(mktemp -d)
 count() { # who chains [mlp] -> instructions
   valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2${3:+.$3}" "$bin" "$1" "$2" ${3:-} 2>&1 |
     sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
+}
+count_threads() { # who forwards -> "all-threads recording-thread" instructions (MLP)
+  local out="$dir/threads.$1.$2"
+  local all
+  all=$(valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out" \
+    "$bin" "$1" "$2" mlp 2>&1 | sed -n 's/.*Collected : \([0-9]*\).*/\1/p')
+  # Thread 1 is the process's main thread: the one that records and reads.
+  echo "$all $(sed -n 's/^totals: \([0-9]*\).*/\1/p' "$out-01")"
 }
 declare -A ir
 for who in ours plain; do for n in 2 12; do ir[$who.$n]=$(count "$who" "$n"); done; done
@@ -60,9 +72,16 @@ for k, v in sorted(grown.items(), key=lambda kv: -kv[1])[:top]:
 PY
 # One rayon thread: NdArray's matmul otherwise spins worker threads for a count that varies.
 export RAYON_NUM_THREADS=1
-for who in ours plain; do for n in 20 120; do ir[$who.mlp.$n]=$(count "$who" "$n" mlp); done; done
-mlp() { echo $(( (ir[$1.mlp.120] - ir[$1.mlp.20]) / 100 )); }
-ours_mlp=$(mlp ours) plain_mlp=$(mlp plain)
+for who in ours plain; do
+  for n in 20 120; do
+    read -r ir[$who.mlp.$n] ir[$who.main.$n] <<<"$(count_threads "$who" "$n")"
+  done
+done
+mlp() { echo $(( (ir[$1.$2.120] - ir[$1.$2.20]) / 100 )); }
+ours_mlp=$(mlp ours mlp) plain_mlp=$(mlp plain mlp)
 echo "instructions per MLP forward: ours $ours_mlp, plain NdArray $plain_mlp, the engine's own" \
   "$((ours_mlp - plain_mlp)); plain/ours $(python3 -c "print(f'{$plain_mlp / $ours_mlp:.3f}')")"
+ours_main=$(mlp ours main) plain_main=$(mlp plain main)
+echo "  on the recording thread alone: ours $ours_main, plain NdArray $plain_main, the engine's own" \
+  "$((ours_main - plain_main))"
 rm -rf "$dir"
