@@ -14,9 +14,9 @@
 //! 1.16–1.28). Bounded to 15 or 12 launching at once, 0.81–0.90; to 8, 1.07–1.21; to 6, 1.12.
 //! So the bound that helps is near half the hardware threads, not one fewer than them: what
 //! the device thread loses is more than a core to run on (the SMT sibling it shares a core with
-//! is one candidate; the machine's topology was not read). On an H200 host, also with 16: 0.68–0.93
-//! unbounded, 1.12–1.15 bounded at 6 or 8, and at 8 about 2% of the waits ended past the gate
-//! ([`EngineStats::launch_overdrafts`](crate::EngineStats::launch_overdrafts)).
+//! is one candidate; the machine's topology was not read). On an H200 host, also with 16:
+//! 0.68–0.93 unbounded, 1.12–1.15 bounded at 6 or 8, and at 8 about 2% of the waits ended past
+//! the gate ([`EngineStats::launch_overdrafts`](crate::EngineStats::launch_overdrafts)).
 //!
 //! # What the gate does
 //!
@@ -40,14 +40,15 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-/// The longest a thread waits for a permit before it goes ahead without one.
+/// The longest a thread waits for a permit before it goes ahead without one (every engine's
+/// gate; tests may set another).
 pub(crate) const PATIENCE: Duration = Duration::from_millis(1);
 
 /// A bound on how many threads run work on one device at once (see the module docs).
 #[derive(Debug)]
 pub(crate) struct LaunchGate {
     limit: usize,
-    /// How long a thread waits for a permit before it goes ahead ([`PATIENCE`] but in tests).
+    /// How long a thread waits for a permit before it goes ahead: [`PATIENCE`], except in tests.
     patience: Duration,
     /// Permits held.
     inside: AtomicUsize,
@@ -107,7 +108,8 @@ impl LaunchGate {
         )
     }
 
-    /// Wait for a permit (at most its patience, [`PATIENCE`]); none is taken by a thread that holds one already.
+    /// Wait for a permit (at most the gate's patience, [`PATIENCE`]); none is taken by a thread
+    /// that holds one already.
     pub(crate) fn enter(&self) -> Permit<'_> {
         let me = self as *const Self as usize;
         let outer = HELD.with(Cell::get);
