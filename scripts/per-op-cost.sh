@@ -27,8 +27,8 @@ bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)
 [ -x "$bin" ] || { echo "per-op-cost: could not build benches/per_op.rs" >&2; exit 1; }
 dir=$(mktemp -d)
-count() { # who chains [mlp] -> instructions
-  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2${3:+.$3}" "$bin" "$1" "$2" ${3:-} 2>&1 |
+count() { # who chains -> instructions
+  valgrind --tool=callgrind --callgrind-out-file="$dir/cg.$1.$2" "$bin" "$1" "$2" 2>&1 |
     sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
 }
 count_threads() { # who forwards -> "all-threads recording-thread" instructions (MLP)
