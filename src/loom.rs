@@ -16,14 +16,35 @@
 pub(crate) mod sync {
     pub(crate) use parking_lot::{Mutex, MutexGuard};
     pub(crate) use std::sync::Arc;
-    pub(crate) use std::sync::atomic::{AtomicBool, Ordering, fence};
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 }
+
+/// `UnsafeCell` with loom's closure API, so that loom can check each access.
+#[cfg(not(loom))]
+pub(crate) mod cell {
+    #[derive(Debug, Default)]
+    pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        pub(crate) const fn new(value: T) -> Self {
+            Self(std::cell::UnsafeCell::new(value))
+        }
+
+        #[inline(always)]
+        pub(crate) fn with_mut<F: FnOnce(*mut T) -> U, U>(&self, f: F) -> U {
+            f(self.0.get())
+        }
+    }
+}
+
+#[cfg(loom)]
+pub(crate) use loom::cell;
 
 #[cfg(loom)]
 pub(crate) mod sync {
     pub(crate) use loom::sync::Arc;
     pub(crate) use loom::sync::MutexGuard;
-    pub(crate) use loom::sync::atomic::{AtomicBool, Ordering, fence};
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 
     /// loom's mutex behind `parking_lot`'s API (no poisoning).
     #[derive(Debug, Default)]

@@ -252,17 +252,30 @@ fn hold_drain(c: &Client, x: &Tensor) -> HeldDrain {
 
 /// While another thread holds a stream's lock (here: a read from that thread, running the
 /// stream's queue through the tensor it needs, with the executor held open), the stream's own
-/// thread keeps recording: its operations are handed over through the inbox instead of waiting
-/// for the lock, and run in the order they were recorded, consumed operands and drops included.
-/// Before records were posted, the home thread waited out the whole drain (here: forever, as the
-/// executor waits for the home thread; its deadline turns that into a failure).
+/// thread keeps recording: its operations are handed over through the stream's lane instead of
+/// waiting for the lock, and run in the order they were recorded, consumed operands and drops
+/// included. Before records were handed over, the home thread waited out the whole drain (here:
+/// forever, as the executor waits for the home thread; its deadline turns that into a failure).
 #[test]
 fn the_home_thread_records_while_another_thread_drains_its_stream() {
-    let c = client();
+    records_while_another_thread_drains(client());
+}
+
+/// The same on a stream that fuses, which has no lane: its records go to the inbox. (Closed
+/// runs are not dispatched at once here: the held-open operation, which no fuser takes, would
+/// otherwise run at its record, on this thread.)
+#[test]
+fn a_fusing_home_thread_posts_while_another_thread_drains_its_stream() {
+    let device = fusion_streams::host::HostDevice::default().fusing();
+    let config = lazy_config().with_dispatch_closed_runs(false);
+    records_while_another_thread_drains(FusionClient::with_config(device, config).unwrap());
+}
+
+fn records_while_another_thread_drains(c: Client) {
     let x = f32s(&c, &[1.0, 2.0]);
     let drain = hold_drain(&c, &x);
 
-    // The reader's thread holds this stream's lock now: all of this is posted.
+    // The reader's thread holds this stream's lock now: all of this is handed over.
     let y = x.scale(3.0).unwrap();
     let z = c
         .op("consumes y")
@@ -287,24 +300,26 @@ fn the_home_thread_records_while_another_thread_drains_its_stream() {
     assert_nothing_held(&c);
 }
 
-/// A thread posts at most a queue bound's worth of records in a row: the next one waits for the
-/// lock, so that what is pending stays bounded (posted records are never run by whoever applies
-/// them) and the queue's bound is enforced on the home thread itself.
+/// A thread hands over at most a queue bound's worth of records in a row without the lock: the
+/// next one waits for it, so that what is pending stays bounded (handed-over records are never
+/// run by whoever applies them) and the queue's bound is enforced on the home thread itself.
+/// Here the bound is 3: the held-open operation (through the lane, before the reader took the
+/// lock), `a` and `b` are handed over, and `d` waits.
 #[test]
 fn the_home_thread_posts_at_most_a_queue_bound_in_a_row() {
     use std::time::Duration;
 
     let c = FusionClient::with_config(
         fusion_streams::host::HostDevice::default(),
-        lazy_config().with_max_queue_len(2),
+        lazy_config().with_max_queue_len(3),
     )
     .unwrap();
     let x = f32s(&c, &[1.0, 2.0]);
     let drain = hold_drain(&c, &x);
     let a = x.scale(2.0).unwrap();
     let b = a.scale(2.0).unwrap();
-    // The third waits for the lock: let the reader go once this thread is (very likely) waiting.
-    // Whether or not it got there first, the third record is never posted.
+    // The fourth waits for the lock: let the reader go once this thread is (very likely)
+    // waiting. Whether or not it got there first, the fourth record is never posted.
     let release = drain.release.clone();
     let releaser = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
@@ -316,7 +331,7 @@ fn the_home_thread_posts_at_most_a_queue_bound_in_a_row() {
     assert_eq!(
         c.stats().ops_posted - drain.before.ops_posted,
         2,
-        "two posted, the third waited"
+        "two handed over while the reader held the lock, the next waited"
     );
     assert_eq!(values(&d), vec![8.0, 16.0]);
     drop((x, drain.held, a, b, d));

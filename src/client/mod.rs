@@ -462,10 +462,11 @@ impl<R: StreamRuntime> FusionClient<R> {
     ///    impossible: the caller then gets back exactly the tensors it handed over, unchanged and
     ///    in order, and no view was minted.
     /// 3. Turn foreign operands into shared views under their reserved ids (outside any lock).
-    /// 4. Under the current stream's lock, commit the statuses (a `ReadWrite` operand is released
-    ///    to the operation and leaves `shared_sources`) and enqueue.
-    /// 5. After the lock, drop the `ReadOnly` owned operands (a last drop now lands behind the
-    ///    operation that reads them) and hand out the outputs. An output reuses the allocation of a
+    /// 4. Commit the statuses (a `ReadWrite` operand is released to the operation) and record it
+    ///    on the current stream (`MultiStream::record`: through the stream's lane, or under its
+    ///    lock), where the consumed operands leave `shared_sources`.
+    /// 5. Then drop the `ReadOnly` owned operands (a last drop now lands behind the operation
+    ///    that reads them) and hand out the outputs. An output reuses the allocation of a
     ///    `ReadWrite` operand when there is one: a chain of consuming operations allocates no
     ///    tensor structs and touches no shared reference count.
     pub(crate) fn register<'a, A: Arity, B: IntoQueued<R>, O: Gather<FusionTensor<R>>>(
@@ -520,9 +521,8 @@ impl<R: StreamRuntime> FusionClient<R> {
         let Some(cell) = streams.recording_target(home, current) else {
             return Ok(self.register_exiting::<B, O>(home, current, body, owned.as_mut()));
         };
-        let mut consumed = crate::stream::Consumed::new();
-        let outputs = self.settle_operands::<O, B>(&body, &cell, owned.as_mut(), &mut consumed);
-        streams.record(cell.cell(), body, consumed);
+        let outputs = self.settle_operands::<O, B>(&body, &cell, owned.as_mut());
+        streams.record(cell.cell(), body);
 
         // 5. The read-only owned operands (and consumed ones no output reused) go now.
         drop(owned);
@@ -543,31 +543,23 @@ impl<R: StreamRuntime> FusionClient<R> {
     ) -> O {
         let home = home.map(|cell| cell.to_arc());
         let home = home.as_ref().map(|cell| (cell, current));
-        self.inner
-            .streams
-            .register(home, body, |cell, state, body| {
-                let mut consumed = crate::stream::Consumed::new();
-                let cell = crate::stream::Target::Found(cell.clone());
-                let outputs = self.settle_operands::<O, B>(body, &cell, owned, &mut consumed);
-                consumed
-                    .into_iter()
-                    .for_each(|id| state.forget_shared_source(id));
-                outputs
-            })
+        self.inner.streams.register(home, body, |cell, _, body| {
+            let cell = crate::stream::Target::Found(cell.clone());
+            self.settle_operands::<O, B>(body, &cell, owned)
+        })
     }
 
     /// Step 4 of [`Self::register`] for the operation `body` recorded on `home`: each
-    /// `ReadWrite` operand is released to the operation (its struct no longer frees the id, which
-    /// goes into `consumed`), and the outputs are built, the last consumed operand's allocation
-    /// going to the first output, and so on. Touches no stream state: the engine settles
-    /// `consumed` when it queues the operation.
+    /// `ReadWrite` operand is released to the operation (its struct no longer frees the id),
+    /// and the outputs are built, the last consumed operand's allocation going to the first
+    /// output, and so on. Touches no stream state: the consumed operands leave
+    /// `shared_sources` when the engine queues the operation (`StreamState::forget_consumed`).
     #[inline(always)]
     fn settle_operands<O: Gather<FusionTensor<R>>, B: crate::operation::OpBody<R>>(
         &self,
         body: &B,
         home: &crate::stream::Target<R>,
         owned: &mut [Option<FusionTensor<R>>],
-        consumed: &mut crate::stream::Consumed,
     ) -> O {
         for (slot, ir) in owned.iter_mut().zip(body.inputs()) {
             if ir.status != TensorStatus::ReadWrite {
@@ -576,7 +568,6 @@ impl<R: StreamRuntime> FusionClient<R> {
             if let Some(handed) = slot.as_mut().and_then(|t| t.inner.get_mut()) {
                 // The operation owns the id now: this struct must not free it.
                 handed.armed = false;
-                consumed.push(handed.value.id);
             }
         }
         let mut recycled = owned.iter_mut().rev().filter_map(|slot| {

@@ -13,6 +13,7 @@ use burn_backend::StreamId;
 use burn_ir::TensorId;
 
 use super::inbox::{InboxGuard, InboxLock, Mailbox};
+use super::lane;
 use super::state::{Entry, StreamState};
 use crate::operation::QueuedOp;
 use crate::runtime::StreamRuntime;
@@ -36,17 +37,15 @@ pub(crate) enum InboxMessage<R: StreamRuntime> {
     Free(TensorId),
     /// Register this entry under a fresh id (a view minted where the lock was unavailable).
     Register(TensorId, Entry<R::FusionHandle>),
-    /// An operation (or a last drop) the stream's own thread recorded while another thread held
-    /// the lock, with the operands it consumed (see [`super::MultiStream::record`]).
-    Record(QueuedOp<R>, Consumed),
+    /// An operation (or a last drop) the stream's own thread recorded while another thread
+    /// held the lock, when it could not go through the stream's lane (a stream that fuses has
+    /// none; see [`super::MultiStream::record`]).
+    Record(QueuedOp<R>),
 }
-
-/// The ids of the operands an operation consumed (`ReadWrite`): they leave `shared_sources`
-/// when the operation is queued.
-pub(crate) type Consumed = smallvec::SmallVec<[TensorId; 2]>;
 
 impl<R: StreamRuntime> Mailbox for StreamState<R> {
     type Message = InboxMessage<R>;
+    type Record = QueuedOp<R>;
 
     fn apply(&mut self, message: Self::Message) {
         match message {
@@ -54,8 +53,17 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
             InboxMessage::Free(_) if self.retired => {}
             InboxMessage::Free(id) => self.foreign_drop(id),
             InboxMessage::Register(id, entry) => self.register_entry(id, entry),
-            InboxMessage::Record(op, consumed) => self.record_posted(op, consumed),
+            InboxMessage::Record(op) => self.record_posted(op, true),
         }
+    }
+
+    #[inline(always)]
+    fn apply_record(&mut self, op: QueuedOp<R>, by_home: bool) {
+        self.record_posted(op, !by_home);
+    }
+
+    fn home_holds(&self) -> bool {
+        self.on_home_thread()
     }
 
     #[inline(always)]
@@ -77,50 +85,88 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
 /// Exclusive access to a stream's state. Applies the inbox on release.
 pub(crate) type StreamGuard<'a, R> = InboxGuard<'a, StreamState<R>>;
 
-/// A stream: its state behind a lock, plus an inbox.
+/// The most records a stream's lane holds (when the queue bound is larger, the stream's thread
+/// takes the lock more often than the bound asks). A stream that fuses gets one slot, never
+/// pushed to.
+const LANE_MAX: usize = 256;
+
+/// A stream: its state behind a lock, plus an inbox and its own thread's lane.
 pub(crate) struct StreamCell<R: StreamRuntime> {
     pub(crate) id: StreamId,
     /// Its state's serial (see `StreamState::serial`).
     pub(crate) serial: u64,
     state: InboxLock<StreamState<R>>,
-    /// Records the stream's own thread posted since it last held the lock (only that thread
-    /// reads or writes it): see [`StreamCell::may_post`].
-    posted: AtomicUsize,
-    /// The most it may post in a row: the queue bound (`EngineConfig::max_queue_len`).
-    max_posted: usize,
+    /// The lane's one producer: the [`lane::thread_token`] of the thread that made the stream,
+    /// its own thread; 0 for a stream that fuses, whose records go under the lock (its fuser
+    /// sees each as it is recorded).
+    producer: u64,
+    /// Records the stream's own thread handed over without the lock, through the lane or the
+    /// inbox, since it last recorded under the lock (only that thread reads or writes it): see
+    /// [`StreamCell::hand_over`] and [`StreamCell::may_post`].
+    pending: AtomicUsize,
+    /// The most it may hand over in a row: the queue bound (`EngineConfig::max_queue_len`).
+    max_pending: usize,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
+    /// The cell of a new stream, made on the stream's own thread.
     pub(crate) fn new(state: StreamState<R>) -> Self {
+        let laned = state.fuser.is_none();
+        let lane_len = if laned {
+            state.max_queue_len.min(LANE_MAX)
+        } else {
+            1
+        };
         Self {
             id: state.id,
             serial: state.serial,
-            max_posted: state.max_queue_len,
-            state: InboxLock::new(state),
-            posted: AtomicUsize::new(0),
+            producer: if laned { lane::thread_token() } else { 0 },
+            max_pending: state.max_queue_len,
+            state: InboxLock::new(state, lane_len),
+            pending: AtomicUsize::new(0),
         }
+    }
+
+    /// Hand the stream's own thread's `record` over without the lock, through the lane
+    /// (`super::lane`), or give it back: the stream fuses, the caller is not the stream's own
+    /// thread, or the record is the queue bound's (it goes under the lock, which runs what the
+    /// bound asks for on the thread itself; the count starts again:
+    /// [`StreamCell::held_by_home`]).
+    #[inline]
+    pub(crate) fn hand_over(&self, record: QueuedOp<R>) -> Result<(), QueuedOp<R>> {
+        let pending = self.pending.load(Ordering::Relaxed);
+        if self.producer == 0 || pending + 1 >= self.max_pending {
+            return Err(record);
+        }
+        if self.producer != lane::thread_token() {
+            return Err(record);
+        }
+        // SAFETY: the lane's one producer is the thread whose token is `producer`: this one.
+        unsafe { self.state.push(record) }?;
+        self.pending.store(pending + 1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether the stream's own thread, finding the lock taken, may post its record rather than
-    /// wait (counting the post). Posted records are queued but not run by whoever applies them,
-    /// so after a queue bound's worth in a row the thread waits for the lock once, and that
-    /// record runs what the bound asks for on the thread itself (the count starts again:
+    /// wait (counting the post). Handed-over records are queued but not run by whoever applies
+    /// them, so after a queue bound's worth in a row the thread waits for the lock once, and
+    /// that record runs what the bound asks for on the thread itself (the count starts again:
     /// [`StreamCell::held_by_home`]).
     #[inline]
     pub(crate) fn may_post(&self) -> bool {
-        let posted = self.posted.load(Ordering::Relaxed);
-        if posted >= self.max_posted {
+        let pending = self.pending.load(Ordering::Relaxed);
+        if pending >= self.max_pending {
             return false;
         }
-        self.posted.store(posted + 1, Ordering::Relaxed);
+        self.pending.store(pending + 1, Ordering::Relaxed);
         true
     }
 
-    /// The stream's own thread holds the lock: it may post a queue bound's worth again.
+    /// The stream's own thread holds the lock: it may hand over a queue bound's worth again.
     #[inline]
     pub(crate) fn held_by_home(&self) {
-        if self.posted.load(Ordering::Relaxed) != 0 {
-            self.posted.store(0, Ordering::Relaxed);
+        if self.pending.load(Ordering::Relaxed) != 0 {
+            self.pending.store(0, Ordering::Relaxed);
         }
     }
 

@@ -19,17 +19,38 @@
 //! still held *and* the holder's post-release check misses the flag: one of the two always sees
 //! the other, so every posted message is applied by someone before that someone leaves. The
 //! `loom_` tests below check exactly this over every interleaving.
+//!
+//! # The lane
+//!
+//! The state's own thread has a second way in, without a lock or a fence: its [`Lane`] of
+//! records, which whoever takes the lock moves into the state first ([`Mailbox::apply_record`]).
+//! Records are not "applied before the holder leaves" like messages: they wait in the lane, as
+//! they would in the state's queue, for the next holder. What the protocol keeps is the order:
+//! a holder takes the posted messages, *then* drains the lane, then applies the messages, so a
+//! message posted by a thread that had seen a record (a last drop of a tensor the record reads)
+//! is applied after that record.
 
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 
+use super::lane::Lane;
 use crate::loom::sync::{AtomicBool, Mutex, MutexGuard, Ordering, fence};
 
 /// State that accepts posted messages.
 pub(crate) trait Mailbox {
     type Message;
+    /// What the state's own thread hands over through the lane.
+    type Record;
     /// Apply one message; called with the lock held.
     fn apply(&mut self, message: Self::Message);
+    /// Apply one record of the lane, in the order they were pushed; called with the lock held.
+    /// `by_home`: [`Mailbox::home_holds`] for the holder.
+    fn apply_record(&mut self, record: Self::Record, by_home: bool);
+    /// Whether the thread that holds the lock is the state's own thread (asked once for each
+    /// drain of the lane).
+    fn home_holds(&self) -> bool {
+        false
+    }
     /// Called when the current thread takes the lock, before anything is applied.
     fn entered() {}
     /// Called with the lock held, after the inbox was applied and before the lock is released.
@@ -43,14 +64,17 @@ pub(crate) struct InboxLock<S: Mailbox> {
     state: Mutex<S>,
     inbox: Mutex<Vec<S::Message>>,
     flag: AtomicBool,
+    lane: Lane<S::Record>,
 }
 
 impl<S: Mailbox> InboxLock<S> {
-    pub(crate) fn new(state: S) -> Self {
+    /// `state` behind a lock, with a lane for at least `lane` records.
+    pub(crate) fn new(state: S, lane: usize) -> Self {
         Self {
             state: Mutex::new(state),
             inbox: Mutex::new(Vec::new()),
             flag: AtomicBool::new(false),
+            lane: Lane::new(lane),
         }
     }
 
@@ -91,15 +115,30 @@ impl<S: Mailbox> InboxLock<S> {
         }
     }
 
-    /// Apply the inbox, then let the state settle before its lock is released.
+    /// Hand `record` to the state without the lock, through the lane (see the module docs); it
+    /// comes back if the lane is full.
+    ///
+    /// # Safety
+    ///
+    /// Only one thread ever pushes to this lock's lane.
+    #[inline]
+    pub(crate) unsafe fn push(&self, record: S::Record) -> Result<(), S::Record> {
+        // SAFETY: the caller's promise is the lane's.
+        unsafe { self.lane.push(record) }
+    }
+
+    /// Apply the inbox and the lane, then let the state settle before its lock is released.
     ///
     /// Every lock and release of a stream runs this, and the inbox is almost always empty: the
-    /// check is inline, the work out of line (a call here cost ~20 instructions per recorded
+    /// checks are inline, the work out of line (a call here cost ~20 instructions per recorded
     /// operation, most of them saving and restoring registers).
     #[inline(always)]
     fn apply(&self, state: &mut S) {
         if self.flag.load(Ordering::SeqCst) {
             self.apply_posted(state);
+        // SAFETY: the caller holds the lock, which every drain of the lane takes.
+        } else if unsafe { !self.lane.is_empty() } {
+            self.apply_lane(state);
         }
         state.settle();
     }
@@ -109,9 +148,23 @@ impl<S: Mailbox> InboxLock<S> {
     fn apply_posted(&self, state: &mut S) {
         self.flag.store(false, Ordering::SeqCst);
         let messages = std::mem::take(&mut *self.inbox.lock());
+        // The lane after the messages are taken, and before they are applied: see the module
+        // docs.
+        self.apply_lane(state);
         for message in messages {
             state.apply(message);
         }
+    }
+
+    /// Move the lane's records into the state, oldest first.
+    #[inline(never)]
+    fn apply_lane(&self, state: &mut S) {
+        let by_home = state.home_holds();
+        // SAFETY: the caller holds the lock, which every drain of the lane takes.
+        unsafe {
+            self.lane
+                .drain(|record| state.apply_record(record, by_home))
+        };
     }
 
     /// Messages posted and not applied yet (for tests).
@@ -186,8 +239,12 @@ mod loom_tests {
 
     impl Mailbox for Applied {
         type Message = u32;
+        type Record = u32;
         fn apply(&mut self, message: u32) {
             self.0.push(message);
+        }
+        fn apply_record(&mut self, record: u32, _: bool) {
+            self.0.push(record);
         }
     }
 
@@ -206,7 +263,7 @@ mod loom_tests {
     #[test]
     fn loom_inbox_strands_no_message() {
         loom::model(|| {
-            let cell = Arc::new(InboxLock::new(Applied::default()));
+            let cell = Arc::new(InboxLock::new(Applied::default(), 1));
             let holder = spawn_holder(&cell);
             let posters: Vec<_> = [1, 2]
                 .into_iter()
@@ -231,7 +288,7 @@ mod loom_tests {
     #[test]
     fn loom_one_posters_messages_apply_in_order() {
         loom::model(|| {
-            let cell = Arc::new(InboxLock::new(Applied::default()));
+            let cell = Arc::new(InboxLock::new(Applied::default(), 1));
             let holder = spawn_holder(&cell);
             let poster = {
                 let cell = cell.clone();
@@ -253,11 +310,46 @@ mod loom_tests {
         });
     }
 
+    /// The state's own thread pushes a record through the lane and then lets a second thread
+    /// know (as a last drop of a tensor it used would); that thread posts a message, while a
+    /// third takes and releases the lock. Whoever applies the message has drained the record
+    /// first: the message comes after the record, and both come exactly once.
+    #[test]
+    fn loom_a_message_posted_after_a_record_applies_after_it() {
+        loom::model(|| {
+            let cell = Arc::new(InboxLock::new(Applied::default(), 1));
+            let pushed = Arc::new(AtomicBool::new(false));
+            let holder = {
+                let cell = cell.clone();
+                thread::spawn(move || drop(cell.lock()))
+            };
+            let poster = {
+                let (cell, pushed) = (cell.clone(), pushed.clone());
+                thread::spawn(move || {
+                    if pushed.load(Ordering::Acquire) {
+                        cell.post(20);
+                    }
+                })
+            };
+            // SAFETY: this thread is the lane's only producer.
+            assert!(unsafe { cell.push(10) }.is_ok());
+            pushed.store(true, Ordering::Release);
+            holder.join().unwrap();
+            poster.join().unwrap();
+            let applied = cell.lock().0.clone();
+            assert_eq!(cell.unapplied(), 0, "a posted message was stranded");
+            assert!(
+                applied == vec![10] || applied == vec![10, 20],
+                "the record once, before the message: {applied:?}"
+            );
+        });
+    }
+
     /// A message posted from under another lock (the executor case) while the target is held.
     #[test]
     fn loom_post_while_held_is_applied_by_the_holder() {
         loom::model(|| {
-            let cell = Arc::new(InboxLock::new(Applied::default()));
+            let cell = Arc::new(InboxLock::new(Applied::default(), 1));
             let guard = cell.lock();
             let poster = {
                 let cell = cell.clone();

@@ -5,6 +5,7 @@ mod exec;
 mod execution;
 mod gate;
 pub(crate) mod inbox;
+mod lane;
 mod local;
 mod service;
 mod state;
@@ -18,7 +19,7 @@ use burn_ir::TensorId;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
-pub(crate) use cell::{Consumed, InboxMessage, StreamCell, StreamGuard, in_engine};
+pub(crate) use cell::{InboxMessage, StreamCell, StreamGuard, in_engine};
 pub(crate) use exec::{current_stream, executes, execution_stream, on_execution_stream};
 pub(crate) use gate::enter as enter_gate;
 use service::EngineHook;
@@ -271,9 +272,10 @@ pub struct EngineStats {
     /// Shares and reads that needed no such wait: their stream had waited for the buffer's
     /// stream since that stream last dispatched anything.
     pub orders_skipped: u64,
-    /// Operations a thread recorded on its own stream while another thread held that stream's
-    /// lock (to share or read one of its tensors): handed over without waiting, and queued in
-    /// order by the lock's holder (see [`MultiStream`], "Recording never waits for a drain").
+    /// Operations a thread recorded on its own stream without its lock that another thread
+    /// queued (holding the lock to share or read one of its tensors): handed over without
+    /// waiting, and queued in order by the lock's holder (see [`MultiStream`], "Recording takes
+    /// no lock", "Recording never waits for a drain").
     pub ops_posted: u64,
     /// Times a thread found every permit of the engine's launch gate taken and slept for one
     /// ([`EngineConfig::max_launching_threads`]; always 0 without a bound).
@@ -622,63 +624,68 @@ impl<R: StreamRuntime> MultiStream<R> {
         })
     }
 
-    /// Record an operation on `cell`, the current stream ([`Self::recording_target`]); `consumed`
-    /// are the operands it consumes (`ReadWrite`), which leave `shared_sources`. Deciding those
-    /// and queueing the operation in one step is what keeps a concurrent last drop on another
-    /// thread from freeing an operand first. If the queue reaches its bound, the stream
-    /// executes what it has (but for a trailing run its fuser still extends:
-    /// [`EngineConfig::max_fused_len`]).
+    /// Record an operation on `cell`, the current stream ([`Self::recording_target`]). The
+    /// operands it consumes (`ReadWrite`) leave `shared_sources` when it is queued. The
+    /// operation is recorded before the caller lets go of its operands, which is what keeps a
+    /// concurrent last drop on another thread from freeing one first: that drop is applied
+    /// after the record. If the queue reaches its bound, the stream executes what it has (but
+    /// for a trailing run its fuser still extends: [`EngineConfig::max_fused_len`]).
+    ///
+    /// # Recording takes no lock
+    ///
+    /// On a stream without a fuser, the operation goes into the stream's lane (`lane`), which
+    /// only this thread writes and whoever takes the lock next
+    /// drains into the queue, in order, before anything else: no locked instruction, and no wait
+    /// while another thread holds the lock (draining the stream to share or read one of its
+    /// tensors). Every queue bound's worth, the record goes under the lock instead, and runs the
+    /// queue as the bound asks. A stream that fuses records under the lock, so that its fuser
+    /// sees each operation as it comes.
     ///
     /// # Recording never waits for a drain
     ///
-    /// When another thread holds the stream's lock (draining it to share or read one of its
-    /// tensors), the operation is not made to wait: with the operands it consumed it is posted
-    /// to the stream's inbox ([`InboxMessage::Record`]), which the holder applies before it lets
-    /// go — queued in order, behind everything recorded before it and ahead of any later drop or
-    /// share, which all go through the same lock or the same inbox. A producer thread then keeps
-    /// recording while a consumer runs what it needs, where it would otherwise wait out every
-    /// such drain.
+    /// When another thread holds a fusing stream's lock, the operation is not made to wait
+    /// either: it is posted to the stream's inbox
+    /// ([`InboxMessage::Record`]), which the holder applies before it lets go — queued in order,
+    /// behind everything recorded before it and ahead of any later drop or share, which all go
+    /// through the same lock or the same inbox. A producer thread then keeps recording while a
+    /// consumer runs what it needs, where it would otherwise wait out every such drain.
     #[inline]
-    pub(crate) fn record<B: IntoQueued<R>>(
-        &self,
-        cell: &StreamCell<R>,
-        body: B,
-        consumed: cell::Consumed,
-    ) {
+    pub(crate) fn record<B: IntoQueued<R>>(&self, cell: &StreamCell<R>, body: B) {
         let _timer = crate::profile::time(crate::profile::Section::Record);
+        if let Err(record) = cell.hand_over(body.into_queued()) {
+            Self::record_under_lock(cell, record);
+        }
+    }
+
+    /// [`Self::record`] of a record that did not go through the lane.
+    #[inline(never)]
+    fn record_under_lock(cell: &StreamCell<R>, record: QueuedOp<R>) {
         match cell.try_lock() {
-            Some(state) => Self::record_locked(cell, state, body, consumed),
-            None => Self::post_record(cell, body, consumed),
+            Some(state) => Self::record_locked(cell, state, record),
+            None => Self::post_record(cell, record),
         }
     }
 
     /// [`Self::record`] with the lock held.
     #[inline(always)]
-    fn record_locked<B: IntoQueued<R>>(
-        cell: &StreamCell<R>,
-        mut state: StreamGuard<'_, R>,
-        body: B,
-        consumed: cell::Consumed,
-    ) {
+    fn record_locked(cell: &StreamCell<R>, mut state: StreamGuard<'_, R>, op: QueuedOp<R>) {
         cell.held_by_home();
         debug_assert!(!state.retired, "the current stream of a live thread");
-        for &id in &consumed {
-            state.forget_shared_source(id);
-        }
+        state.forget_consumed(&op);
         state.counters.ops_registered += 1;
-        state.enqueue(body.into_queued());
+        state.enqueue(op);
     }
 
     /// [`Self::record`] while another thread holds the stream's lock: posted, unless a queue
-    /// bound's worth was posted in a row ([`StreamCell::may_post`]); then recorded once the lock
-    /// is free.
+    /// bound's worth was handed over in a row ([`StreamCell::may_post`]); then recorded once the
+    /// lock is free.
     #[cold]
     #[inline(never)]
-    fn post_record<B: IntoQueued<R>>(cell: &StreamCell<R>, body: B, consumed: cell::Consumed) {
+    fn post_record(cell: &StreamCell<R>, record: QueuedOp<R>) {
         if cell.may_post() {
-            cell.post(InboxMessage::Record(body.into_queued(), consumed));
+            cell.post(InboxMessage::Record(record));
         } else {
-            Self::record_locked(cell, cell.lock(), body, consumed);
+            Self::record_locked(cell, cell.lock(), record);
         }
     }
 
@@ -698,8 +705,10 @@ impl<R: StreamRuntime> MultiStream<R> {
         let _timer = crate::profile::time(crate::profile::Section::Record);
         self.with_current(home, |cell, state| {
             let settled = commit(cell, state, &body);
+            let op = body.into_queued();
+            state.forget_consumed(&op);
             state.counters.ops_registered += 1;
-            state.enqueue(body.into_queued());
+            state.enqueue(op);
             settled
         })
     }
@@ -973,14 +982,17 @@ impl<R: StreamRuntime> MultiStream<R> {
             home.post(InboxMessage::Free(id));
             return;
         }
+        // The home thread's drop, queued behind its records like they are (see `record`).
+        let mut drop = QueuedOp::Drop(id);
+        if !local::exiting() {
+            match home.hand_over(drop) {
+                Ok(()) => return,
+                Err(back) => drop = back,
+            }
+        }
         match home.try_lock() {
             Some(mut state) => state.release_by(id, current),
-            // The home thread's drop, queued behind its records like they are (see `record`,
-            // "Recording never waits for a drain").
-            None if !local::exiting() && home.may_post() => home.post(InboxMessage::Record(
-                QueuedOp::Drop(id),
-                cell::Consumed::from_slice(&[id]),
-            )),
+            None if !local::exiting() && home.may_post() => home.post(InboxMessage::Record(drop)),
             None => home.lock().release_by(id, current),
         }
     }

@@ -264,6 +264,32 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
+    /// The operands `op` consumes leave `shared_sources`: a drop's id, or an operation's
+    /// `ReadWrite` inputs (an operand is handed over `ReadWrite` only as the last live tensor of
+    /// its id, or as a view only the operation owns: `FusionClient::register`).
+    #[inline(always)]
+    pub(crate) fn forget_consumed(&mut self, op: &QueuedOp<R>) {
+        if !self.shared_sources.is_empty() {
+            self.forget_consumed_sources(op);
+        }
+    }
+
+    #[inline(never)]
+    fn forget_consumed_sources(&mut self, op: &QueuedOp<R>) {
+        match op {
+            QueuedOp::Drop(id) => {
+                self.shared_sources.remove(id);
+            }
+            QueuedOp::Op(body) => {
+                for ir in body.inputs() {
+                    if ir.status == burn_ir::TensorStatus::ReadWrite {
+                        self.shared_sources.remove(&ir.id);
+                    }
+                }
+            }
+        }
+    }
+
     /// Release `id`'s handle or error record now.
     pub(crate) fn free(&mut self, id: TensorId) {
         let had_handle = self.remove_handle(id);
@@ -347,7 +373,7 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Whether the calling thread is this stream's home thread, alive and able to run what it
     /// queues (the home/foreign decision of a last drop).
-    fn on_home_thread(&self) -> bool {
+    pub(crate) fn on_home_thread(&self) -> bool {
         self.is_home(super::exec::current_stream())
     }
 
@@ -465,26 +491,28 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    /// An operation (or a last drop) this stream's own thread recorded while another thread held
-    /// the lock ([`InboxMessage::Record`](super::cell::InboxMessage::Record)), applied by whoever holds
-    /// it now. It is queued in the order it was recorded, but neither offered to the fuser nor
-    /// dispatched here: the holder is usually another stream's thread, there to share or read a
-    /// tensor, and running this stream's work is the home thread's — its next record offers
-    /// and dispatches it, and a read, share or sync drains it. (The home thread posts at most a
-    /// queue bound's worth in a row: `StreamCell::may_post`.)
-    pub(crate) fn record_posted(&mut self, op: QueuedOp<R>, consumed: super::cell::Consumed) {
+    /// An operation (or a last drop) this stream's own thread recorded without the lock, through
+    /// its lane or (a stream that fuses) posted while another thread held the lock
+    /// ([`InboxMessage::Record`](super::cell::InboxMessage::Record)), applied by whoever holds the
+    /// lock now; `posted`: that holder is another thread (it counts in
+    /// [`super::EngineStats::ops_posted`]). It is queued in the order it was recorded, but
+    /// neither offered to the fuser nor dispatched here: the holder may be another stream's
+    /// thread, there to share or read a tensor, and running this stream's work is the home
+    /// thread's — its next record under the lock offers and dispatches it, and a read, share or
+    /// sync drains it. (The home thread hands over at most a queue bound's worth in a row:
+    /// `StreamCell::hand_over`, `StreamCell::may_post`.)
+    #[inline]
+    pub(crate) fn record_posted(&mut self, op: QueuedOp<R>, posted: bool) {
         // The poster was the live home thread, not yet exiting; the exit hook that could retire
-        // this state takes the lock, and so applies this message, first.
-        debug_assert!(!self.retired, "a record posted to a retired stream");
-        for id in consumed {
-            self.forget_shared_source(id);
-        }
-        match op {
+        // this state takes the lock, and so applies this record, first.
+        debug_assert!(!self.retired, "a record handed over to a retired stream");
+        self.forget_consumed(&op);
+        match &op {
             // A last drop by the home thread (`MultiStream::release`).
             QueuedOp::Drop(_) => self.counters.home_drops += 1,
             QueuedOp::Op(_) => {
                 self.counters.ops_registered += 1;
-                self.counters.ops_posted += 1;
+                self.counters.ops_posted += u64::from(posted);
             }
         }
         self.queue.push_back(op);
