@@ -86,6 +86,13 @@ impl<T> Lane<T> {
         }
     }
 
+    /// The slot of the value counted `index` (wrapping round the ring).
+    #[inline(always)]
+    fn slot(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
+        // SAFETY: `index & mask` is less than the slot count, `mask + 1`.
+        unsafe { self.slots.get_unchecked(index & self.mask) }
+    }
+
     /// Append `value`, or hand it back if the lane is full.
     ///
     /// # Safety
@@ -101,7 +108,8 @@ impl<T> Lane<T> {
         // SAFETY: the slot is outside `head..tail` (the check above, whose acquire orders this
         // write after the read of the consumer that last took the slot's value), and no other
         // producer writes it (the caller's promise).
-        self.slots[tail & self.mask].with_mut(|slot| unsafe { (*slot).write(value) });
+        self.slot(tail)
+            .with_mut(|slot| unsafe { (*slot).write(value) });
         self.tail.store(tail.wrapping_add(1), Ordering::Release);
         Ok(())
     }
@@ -125,8 +133,9 @@ impl<T> Lane<T> {
             // SAFETY: the slot is inside `head..tail`: the producer wrote it before its release
             // store of a tail past it, which the acquire load above read, and no consumer has
             // taken it (consumers are ordered, and each stores `head` past what it took).
-            let value =
-                self.slots[head & self.mask].with_mut(|slot| unsafe { (*slot).assume_init_read() });
+            let value = self
+                .slot(head)
+                .with_mut(|slot| unsafe { (*slot).assume_init_read() });
             head = head.wrapping_add(1);
             // Released before `f` runs: the slot is free again even if `f` unwinds.
             self.head.store(head, Ordering::Release);
