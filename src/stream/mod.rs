@@ -433,10 +433,12 @@ static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 ///   in exactly one stream's map, so the map partitions for free. Each stream has its own lock;
 ///   threads working on their own streams never contend, and cross-stream work (a share, a foreign
 ///   drop) takes the two locks one after the other, never nested.
-/// * **An operand's status is decided under the home stream's lock**, in the same critical section
-///   that enqueues the operation. burn's `FusionTensor::into_ir` decides `ReadOnly` and drops the
-///   tensor *before* the operation is enqueued, so a concurrent last drop on another thread can free
-///   the id first ("Should have handle for tensor").
+/// * **An operand is let go only after its operation is recorded.** The caller holds every
+///   operand until the operation is in the stream's lane or queue, so a last drop on another
+///   thread (posted to the inbox, which is applied after the lane) lands behind the operation.
+///   burn's `FusionTensor::into_ir` decides `ReadOnly` and drops the tensor *before* the operation
+///   is enqueued, so a concurrent last drop on another thread can free the id first ("Should have
+///   handle for tensor").
 /// * **Drops and clones never block on a lock their thread holds.** Inside an executing operation,
 ///   or while unwinding out of the engine, they post to the target stream's inbox instead (see
 ///   `StreamCell`), and public calls return [`Error::Reentrant`].
