@@ -1,10 +1,10 @@
 //! The one import point for the synchronisation primitives that loom model-checks (tokio's
 //! layout).
 //!
-//! The small concurrency-critical pieces — the inbox lock ([`crate::stream::inbox`]), the live
-//! count and last-owner release ([`crate::live`]) and the retirement queue
-//! ([`crate::runtime::RetirementQueue`]) — take their `Arc`, `Mutex`, atomics and fences from
-//! here. A normal build gets `std` and `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets
+//! The small concurrency-critical pieces — the inbox lock ([`crate::stream::inbox`]) and the
+//! lane of records it drains (`stream::lane`), the live count and last-owner release
+//! ([`crate::live`]) and the retirement queue ([`crate::runtime::RetirementQueue`]) — take their
+//! `Arc`, `Mutex`, atomics, fences and `UnsafeCell` from here. A normal build gets `std` and `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets
 //! loom's instrumented versions, and the `loom_*` unit tests explore every interleaving of
 //! those pieces (bounded preemptions):
 //!
