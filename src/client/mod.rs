@@ -543,7 +543,7 @@ impl<R: StreamRuntime> FusionClient<R> {
     ) -> O {
         let home = home.map(|cell| cell.to_arc());
         let home = home.as_ref().map(|cell| (cell, current));
-        self.inner.streams.register(home, body, |cell, _, body| {
+        self.inner.streams.register(home, body, |cell, body| {
             let cell = crate::stream::Target::Found(cell.clone());
             self.settle_operands::<O, B>(body, &cell, owned)
         })

@@ -135,10 +135,11 @@ impl<R: StreamRuntime> StreamCell<R> {
     #[inline]
     pub(crate) fn hand_over(&self, record: QueuedOp<R>) -> Result<(), QueuedOp<R>> {
         let pending = self.pending.load(Ordering::Relaxed);
-        if self.producer == 0 || pending + 1 >= self.max_pending {
-            return Err(record);
-        }
-        if self.producer != lane::thread_token() {
+        // (The thread's token is read last: a fusing stream, or the bound, decides first.)
+        if self.producer == 0
+            || pending + 1 >= self.max_pending
+            || self.producer != lane::thread_token()
+        {
             return Err(record);
         }
         // SAFETY: the lane's one producer is the thread whose token is `producer`: this one.

@@ -654,12 +654,19 @@ impl<R: StreamRuntime> MultiStream<R> {
     #[inline]
     pub(crate) fn record<B: IntoQueued<R>>(&self, cell: &StreamCell<R>, body: B) {
         let _timer = crate::profile::time(crate::profile::Section::Record);
-        if let Err(record) = cell.hand_over(body.into_queued()) {
+        Self::record_queued(cell, body.into_queued());
+    }
+
+    /// [`Self::record`] of a queue entry: an operation, or the home thread's last drop of an
+    /// id ([`Self::release`]).
+    #[inline(always)]
+    fn record_queued(cell: &StreamCell<R>, record: QueuedOp<R>) {
+        if let Err(record) = cell.hand_over(record) {
             Self::record_under_lock(cell, record);
         }
     }
 
-    /// [`Self::record`] of a record that did not go through the lane.
+    /// [`Self::record_queued`] of a record that did not go through the lane.
     #[inline(never)]
     fn record_under_lock(cell: &StreamCell<R>, record: QueuedOp<R>) {
         match cell.try_lock() {
@@ -673,8 +680,7 @@ impl<R: StreamRuntime> MultiStream<R> {
     fn record_locked(cell: &StreamCell<R>, mut state: StreamGuard<'_, R>, op: QueuedOp<R>) {
         cell.held_by_home();
         debug_assert!(!state.retired, "the current stream of a live thread");
-        state.forget_consumed(&op);
-        state.counters.ops_registered += 1;
+        state.note_record(&op, false);
         state.enqueue(op);
     }
 
@@ -695,21 +701,20 @@ impl<R: StreamRuntime> MultiStream<R> {
     /// [`Self::recording_target`]).
     ///
     /// `commit` runs first, in the same critical section: it settles the operands (a `ReadWrite`
-    /// operand is released to the operation and leaves `shared_sources`) and builds the outputs.
-    /// Then the operation is enqueued, as [`Self::record`] does. `home` is an operand's home
-    /// stream, with the current stream's id (see `with_current`).
+    /// operand is released to the operation) and builds the outputs. Then the operation is
+    /// enqueued, as [`Self::record`] does, and its consumed operands leave `shared_sources`.
+    /// `home` is an operand's home stream, with the current stream's id (see `with_current`).
     pub(crate) fn register<B: IntoQueued<R>, T>(
         &self,
         home: Option<(&Arc<StreamCell<R>>, StreamId)>,
         body: B,
-        commit: impl FnOnce(&Arc<StreamCell<R>>, &mut StreamState<R>, &B) -> T,
+        commit: impl FnOnce(&Arc<StreamCell<R>>, &B) -> T,
     ) -> T {
         let _timer = crate::profile::time(crate::profile::Section::Record);
         self.with_current(home, |cell, state| {
-            let settled = commit(cell, state, &body);
+            let settled = commit(cell, &body);
             let op = body.into_queued();
-            state.forget_consumed(&op);
-            state.counters.ops_registered += 1;
+            state.note_record(&op, false);
             state.enqueue(op);
             settled
         })
@@ -984,19 +989,14 @@ impl<R: StreamRuntime> MultiStream<R> {
             home.post(InboxMessage::Free(id));
             return;
         }
-        // The home thread's drop, queued behind its records like they are (see `record`).
-        let mut drop = QueuedOp::Drop(id);
-        if !local::exiting() {
-            match home.hand_over(drop) {
-                Ok(()) => return,
-                Err(back) => drop = back,
-            }
+        if local::exiting() {
+            // An exiting thread runs nothing any more: its drop frees like a foreign one
+            // (`StreamState::release_by`).
+            home.lock().release_by(id, current);
+            return;
         }
-        match home.try_lock() {
-            Some(mut state) => state.release_by(id, current),
-            None if !local::exiting() && home.may_post() => home.post(InboxMessage::Record(drop)),
-            None => home.lock().release_by(id, current),
-        }
+        // The home thread's drop, queued behind its records the way they are.
+        Self::record_queued(home, QueuedOp::Drop(id));
     }
 
     /// Remove an empty stream's state from the map. Called under that stream's lock; lock order:

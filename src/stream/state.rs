@@ -264,11 +264,29 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    /// The operands `op` consumes leave `shared_sources`: a drop's id, or an operation's
-    /// `ReadWrite` inputs (an operand is handed over `ReadWrite` only as the last live tensor of
-    /// its id, or as a view only the operation owns: `FusionClient::register`).
+    /// A record of the home thread (an operation, or a last drop) on its way into the queue:
+    /// the operands it consumes leave `shared_sources`, and it is counted (`posted`: another
+    /// thread queues it, see [`super::EngineStats::ops_posted`]). Every way into the queue
+    /// (under the lock, through the lane, posted) goes through here.
     #[inline(always)]
-    pub(crate) fn forget_consumed(&mut self, op: &QueuedOp<R>) {
+    pub(crate) fn note_record(&mut self, op: &QueuedOp<R>, posted: bool) {
+        self.forget_consumed(op);
+        match op {
+            // A last drop by the home thread (`MultiStream::release`).
+            QueuedOp::Drop(_) => self.counters.home_drops += 1,
+            QueuedOp::Op(_) => {
+                self.counters.ops_registered += 1;
+                self.counters.ops_posted += u64::from(posted);
+            }
+        }
+    }
+
+    /// The operands `op` consumes leave `shared_sources`: a drop's id (its last live tensor is
+    /// gone, so no share can name it again: the entry goes without waiting for the free), or an
+    /// operation's `ReadWrite` inputs (an operand is handed over `ReadWrite` only as the last
+    /// live tensor of its id, or as a view only the operation owns: `FusionClient::register`).
+    #[inline(always)]
+    fn forget_consumed(&mut self, op: &QueuedOp<R>) {
         if !self.shared_sources.is_empty() {
             self.forget_consumed_sources(op);
         }
@@ -341,11 +359,9 @@ impl<R: StreamRuntime> StreamState<R> {
     /// A drop of `id`'s last live tensor on its home thread: enqueue the free behind the
     /// operations already queued (which may still read `id`).
     pub(crate) fn home_drop(&mut self, id: TensorId) {
-        self.counters.home_drops += 1;
-        // The last live tensor is gone, so no share can name `id` again: the entry can go now,
-        // without waiting for the free to run.
-        self.forget_shared_source(id);
-        self.enqueue(QueuedOp::Drop(id));
+        let drop = QueuedOp::Drop(id);
+        self.note_record(&drop, false);
+        self.enqueue(drop);
     }
 
     /// The last live tensor of `id` went away: the one decision between a home drop and a
@@ -506,15 +522,7 @@ impl<R: StreamRuntime> StreamState<R> {
         // The poster was the live home thread, not yet exiting; the exit hook that could retire
         // this state takes the lock, and so applies this record, first.
         debug_assert!(!self.retired, "a record handed over to a retired stream");
-        self.forget_consumed(&op);
-        match &op {
-            // A last drop by the home thread (`MultiStream::release`).
-            QueuedOp::Drop(_) => self.counters.home_drops += 1,
-            QueuedOp::Op(_) => {
-                self.counters.ops_registered += 1;
-                self.counters.ops_posted += u64::from(posted);
-            }
-        }
+        self.note_record(&op, posted);
         self.queue.push_back(op);
     }
 
