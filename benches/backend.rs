@@ -57,6 +57,8 @@
 //! `FUSION_STREAMS_BENCH_SOLO=<ours|plain|unfused|burn-fusion>` runs one contender alone (an
 //! untimed round, then `ROUNDS` timed ones, no comparison), for an external profiler; on Linux
 //! it also prints the calling thread's time on a core and time waiting for one over the rounds.
+//! `FUSION_STREAMS_BENCH_MLP_REPS=<n>` sets the forwards each thread of the MLP rows runs
+//! (default 200; each thread starts, builds its weights and ends within the row's time).
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -763,7 +765,10 @@ fn main() {
             c.run(Work::LayerNorm(rows, short_reps))
         });
     }
-    let reps = if quick() { 20 } else { 200 };
+    let reps = std::env::var("FUSION_STREAMS_BENCH_MLP_REPS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(if quick() { 20 } else { 200 });
     let mut mlp = Vec::new();
     for threads in [1, 2, 4, 8, 16] {
         let name = format!("threads/{threads}");
