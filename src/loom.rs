@@ -4,9 +4,9 @@
 //! The small concurrency-critical pieces — the inbox lock ([`crate::stream::inbox`]) and the
 //! lane of records it drains (`stream::lane`), the live count and last-owner release
 //! ([`crate::live`]) and the retirement queue ([`crate::runtime::RetirementQueue`]) — take their
-//! `Arc`, `Mutex`, atomics, fences and `UnsafeCell` from here. A normal build gets `std` and `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets
-//! loom's instrumented versions, and the `loom_*` unit tests explore every interleaving of
-//! those pieces (bounded preemptions):
+//! `Arc`, `Mutex`, atomics, fences and `UnsafeCell` from here. A normal build gets `std` and
+//! `parking_lot`; a build with `RUSTFLAGS="--cfg loom"` gets loom's instrumented versions, and
+//! the `loom_*` unit tests explore every interleaving of those pieces (bounded preemptions):
 //!
 //! ```text
 //! RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --release --lib loom_

@@ -680,8 +680,7 @@ impl<R: StreamRuntime> MultiStream<R> {
     fn record_locked(cell: &StreamCell<R>, mut state: StreamGuard<'_, R>, op: QueuedOp<R>) {
         cell.held_by_home();
         debug_assert!(!state.retired, "the current stream of a live thread");
-        state.note_record(&op, false);
-        state.enqueue(op);
+        state.enqueue_record(op);
     }
 
     /// [`Self::record`] while another thread holds the stream's lock: posted, unless a queue
@@ -713,9 +712,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         let _timer = crate::profile::time(crate::profile::Section::Record);
         self.with_current(home, |cell, state| {
             let settled = commit(cell, &body);
-            let op = body.into_queued();
-            state.note_record(&op, false);
-            state.enqueue(op);
+            state.enqueue_record(body.into_queued());
             settled
         })
     }

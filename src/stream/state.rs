@@ -269,7 +269,7 @@ impl<R: StreamRuntime> StreamState<R> {
     /// thread queues it, see [`super::EngineStats::ops_posted`]). Every way into the queue
     /// (under the lock, through the lane, posted) goes through here.
     #[inline(always)]
-    pub(crate) fn note_record(&mut self, op: &QueuedOp<R>, posted: bool) {
+    fn note_record(&mut self, op: &QueuedOp<R>, posted: bool) {
         self.forget_consumed(op);
         match op {
             // A last drop by the home thread (`MultiStream::release`).
@@ -359,9 +359,15 @@ impl<R: StreamRuntime> StreamState<R> {
     /// A drop of `id`'s last live tensor on its home thread: enqueue the free behind the
     /// operations already queued (which may still read `id`).
     pub(crate) fn home_drop(&mut self, id: TensorId) {
-        let drop = QueuedOp::Drop(id);
-        self.note_record(&drop, false);
-        self.enqueue(drop);
+        self.enqueue_record(QueuedOp::Drop(id));
+    }
+
+    /// A record of the home thread queued under the lock: noted ([`Self::note_record`]), then
+    /// enqueued, which may run the queue ([`Self::enqueue`]).
+    #[inline(always)]
+    pub(crate) fn enqueue_record(&mut self, op: QueuedOp<R>) {
+        self.note_record(&op, false);
+        self.enqueue(op);
     }
 
     /// The last live tensor of `id` went away: the one decision between a home drop and a
