@@ -59,6 +59,9 @@
 //! it also prints the calling thread's time on a core and time waiting for one over the rounds.
 //! `FUSION_STREAMS_BENCH_MLP_REPS=<n>` sets the forwards each thread of the MLP rows runs
 //! (default 200; each thread starts, builds its weights and ends within the row's time).
+//! `FUSION_STREAMS_BENCH_BATCH_RUNNER=off` makes our engine run every batch on the thread that
+//! drains it (`fusion_streams::backend::register_batch_runner::<B>(None)`), where burn-ndarray's
+//! default hands each batch holding a matmul to rayon's pool in one trip.
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -702,6 +705,9 @@ fn main() {
     if std::env::var_os("FUSION_STREAMS_BENCH_PROFILE").is_some() {
         fusion_streams::profile::enable(true);
         fusion_streams::profile::mark_current_thread();
+    }
+    if common::batch_runner_from_env::<Plain>() {
+        eprintln!("our engine: every batch runs on the thread that drains it (no batch runner)");
     }
     // How lazily our engine dispatches, if the environment says (`common::engine_config_from_env`).
     if let Some(config) = common::engine_config_from_env() {

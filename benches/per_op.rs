@@ -17,7 +17,9 @@
 //! prints the wall time per op, which on a shared machine is only a rough guide.
 //! The engine's settings follow the same environment knobs as `benches/backend.rs`
 //! (`FUSION_STREAMS_BENCH_QUEUE_LEN` and the others; for the cache model of
-//! `docs/BENCHMARKS.md`, "Shorter fused runs").
+//! `docs/BENCHMARKS.md`, "Shorter fused runs"), `FUSION_STREAMS_BENCH_BATCH_RUNNER=off` among
+//! them: the MLP's batches then run on the recording thread, as plain's operations do, instead of
+//! in rayon's pool.
 //!
 //! For the chains, both sides allocate through [`Aligned`], which gives every allocation of
 //! 1 KiB or more a 64-byte boundary. Without it glibc's 16-byte alignment put the chain's buffer
@@ -174,6 +176,7 @@ fn main() {
     let mlp = args.get(2).is_some_and(|w| w == "mlp");
     ALIGNED.store(!mlp, Ordering::Relaxed);
     // The engine settings of benches/backend.rs' knobs, if the environment sets any.
+    common::batch_runner_from_env::<Plain>();
     if let Some(config) = common::engine_config_from_env() {
         assert!(
             Ours::configure(&Default::default(), config),

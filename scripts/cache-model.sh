@@ -2,9 +2,10 @@
 # The engine's cost under callgrind's cache and branch model, on the two host workloads of
 # benches/per_op.rs: the 1 Ki elementwise chain (per op: 12 chains minus 2, over 10,240 ops) and
 # the small MLP forward (per forward: 120 forwards minus 20, over 100; one rayon thread), ours
-# and plain NdArray. Prints, per op and per forward: the engine's instructions (ours minus
-# plain), the first-level instruction-cache misses of each side, ours' extra mispredicted
-# branches, and plain's instructions over ours.
+# and plain NdArray, every batch run on the recording thread (the batch runner off). Prints, per
+# op and per forward: the engine's instructions (ours minus plain), the first-level
+# instruction-cache misses of each side, ours' extra mispredicted branches, and plain's
+# instructions over ours.
 #
 # `scripts/per-op-cost.sh` counts instructions only; this is the model behind the instruction-
 # miss figures of docs/BENCHMARKS.md ("Running each operation at its record", "A fuser for
@@ -25,6 +26,8 @@ bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)
 [ -x "$bin" ] || { echo "cache-model: could not build benches/per_op.rs" >&2; exit 1; }
 export RAYON_NUM_THREADS=1
+# Every batch on the recording thread, as plain runs its operations (see scripts/per-op-cost.sh).
+export FUSION_STREAMS_BENCH_BATCH_RUNNER=off
 run() { # who n [mlp]
   valgrind --tool=callgrind --dump-instr=yes --cache-sim=yes --branch-sim=yes \
     --callgrind-out-file="$dir/cg.$1.$2${3:+.$3}" "$bin" "$1" "$2" ${3:-} >/dev/null 2>&1

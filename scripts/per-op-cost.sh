@@ -12,7 +12,9 @@
 #
 # Then the same for the small MLP forward of benches/backend.rs (batch 32, 64 -> 128 -> 16, one
 # read each, one rayon thread): the engine's instructions per forward, over 100 more forwards,
-# and plain's instructions over ours (the MLP's ratio as an instruction count). Those totals
+# and plain's instructions over ours (the MLP's ratio as an instruction count), with every batch
+# run on the recording thread (FUSION_STREAMS_BENCH_BATCH_RUNNER=off; the last line gives ours
+# with burn-ndarray's batch runner, which runs them on rayon's worker). Those totals
 # move by a thousand or more between runs: rayon's worker spins, waiting for work, for as long
 # as the scheduler lets it. The second MLP line counts the recording thread alone (callgrind's
 # `--separate-threads`), where the engine's work is and the matmuls' is not; it moves by a few
@@ -72,16 +74,26 @@ for k, v in sorted(grown.items(), key=lambda kv: -kv[1])[:top]:
 PY
 # One rayon thread: NdArray's matmul otherwise spins worker threads for a count that varies.
 export RAYON_NUM_THREADS=1
+for n in 20 120; do
+  read -r ir[runner.mlp.$n] ir[runner.main.$n] <<<"$(count_threads ours "$n")"
+done
+# The engine's own cost: every batch on the recording thread, as plain runs its operations
+# (burn-ndarray's batch runner, on by default, runs a batch holding a matmul on rayon's worker).
+export FUSION_STREAMS_BENCH_BATCH_RUNNER=off
 for who in ours plain; do
   for n in 20 120; do
     read -r ir[$who.mlp.$n] ir[$who.main.$n] <<<"$(count_threads "$who" "$n")"
   done
 done
 mlp() { echo $(( (ir[$1.$2.120] - ir[$1.$2.20]) / 100 )); }
+ratio() { python3 -c "print(f'{$1 / $2:.3f}')"; }
 ours_mlp=$(mlp ours mlp) plain_mlp=$(mlp plain mlp)
-echo "instructions per MLP forward: ours $ours_mlp, plain NdArray $plain_mlp, the engine's own" \
-  "$((ours_mlp - plain_mlp)); plain/ours $(python3 -c "print(f'{$plain_mlp / $ours_mlp:.3f}')")"
+echo "instructions per MLP forward, every batch on the recording thread: ours $ours_mlp, plain" \
+  "NdArray $plain_mlp, the engine's own $((ours_mlp - plain_mlp)); plain/ours $(ratio "$plain_mlp" "$ours_mlp")"
 ours_main=$(mlp ours main) plain_main=$(mlp plain main)
 echo "  on the recording thread alone: ours $ours_main, plain NdArray $plain_main, the engine's own" \
   "$((ours_main - plain_main))"
+runner=$(mlp runner mlp) runner_main=$(mlp runner main)
+echo "  with the batch runner (the default): ours $runner ($runner_main on the recording thread);" \
+  "plain/ours $(ratio "$plain_mlp" "$runner")"
 rm -rf "$dir"

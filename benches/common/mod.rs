@@ -70,3 +70,15 @@ pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
     }
     Some(config)
 }
+
+/// `FUSION_STREAMS_BENCH_BATCH_RUNNER=off`: `StreamFusion<B>` runs every batch of queued
+/// operations on the thread that drains it (`register_batch_runner::<B>(None)`), where
+/// burn-ndarray's default hands a batch holding a matmul to rayon's pool in one trip. Call
+/// before `B`'s first use; says whether it was asked.
+pub fn batch_runner_from_env<B: fusion_streams::backend::IrBackend>() -> bool {
+    let off = std::env::var("FUSION_STREAMS_BENCH_BATCH_RUNNER").is_ok_and(|v| v == "off");
+    if off {
+        fusion_streams::backend::register_batch_runner::<B>(None);
+    }
+    off
+}

@@ -1,5 +1,5 @@
-//! Which backends fuse under [`super::StreamFusion`], and how: registries of fuser factories and
-//! of fused softmax kernels, by backend type.
+//! Which backends fuse under [`super::StreamFusion`], and how: registries of fuser factories, of
+//! fused softmax kernels and of batch runners, by backend type.
 //!
 //! `StreamFusion<B>` works for any [`BackendIr`](burn_ir::BackendIr) backend, and most of them have no fuser; the
 //! ones that do are found here by type when a stream is created. With the `cuda` feature,
@@ -18,7 +18,7 @@ use burn_backend::tensor::FloatTensor;
 
 use super::BackendRuntime;
 use super::IrBackend;
-use crate::runtime::Fuser;
+use crate::runtime::{BatchRunner, Fuser};
 
 /// A type-erased factory: the backend's device in, a boxed `Box<dyn Fuser<BackendRuntime<B>>>`
 /// out.
@@ -128,6 +128,58 @@ pub(crate) fn softmax_for<B: IrBackend>() -> Option<SoftmaxKernel<B>> {
         .get(&TypeId::of::<B>())?
         .downcast_ref::<SoftmaxKernel<B>>()
         .copied()
+}
+
+/// The batch runners registered with [`register_batch_runner`], by `TypeId::of::<B>()`; `None`
+/// where one was taken back.
+fn batch_runner_registry() -> &'static RwLock<HashMap<TypeId, Option<BatchRunner>>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Option<BatchRunner>>>> = OnceLock::new();
+    REGISTRY.get_or_init(|| RwLock::new(HashMap::new()))
+}
+
+/// Run `batch` inside [`rayon::scope`]: on the calling thread when it is a worker of a rayon
+/// pool, on a worker of rayon's global pool otherwise. A [`BatchRunner`] for backends that
+/// parallelise through rayon, burn-ndarray's default.
+///
+/// From a thread outside rayon's pools, each of burn-ndarray's parallel operations (a matmul,
+/// say) is one trip into the global pool: the job is queued, a worker picks it up, and the
+/// calling thread sleeps until it is done, a few microseconds each way. Run as one job, a batch
+/// makes the trip once, and its parallel operations start from a worker, which runs them in
+/// place.
+pub fn rayon_scope(batch: &mut (dyn FnMut() + Send)) {
+    rayon::scope(|_| batch());
+}
+
+/// Make the streams of `StreamFusion<B>` that do not fuse run each batch of queued operations
+/// that holds one spreading over `B`'s thread pool (a matmul, a convolution, a pooling, an
+/// interpolation, an attention) through `runner`, for the engines opened after this call;
+/// `None` runs every batch on the thread that drains the queue.
+///
+/// Without a call, a burn-ndarray backend (one whose type path starts with `burn_ndarray::`)
+/// runs them through [`rayon_scope`], and any other backend on the draining thread. A
+/// burn-ndarray built without its `multi-threads` feature parallelises nothing, and should be
+/// given `None`.
+///
+/// ```
+/// use burn_ndarray::NdArray;
+/// use fusion_streams::backend::{rayon_scope, register_batch_runner};
+///
+/// // burn-ndarray's default, said explicitly; `None` would run every batch in place.
+/// register_batch_runner::<NdArray<f32>>(Some(rayon_scope));
+/// ```
+pub fn register_batch_runner<B: IrBackend>(runner: Option<BatchRunner>) {
+    batch_runner_registry()
+        .write()
+        .insert(TypeId::of::<B>(), runner);
+}
+
+/// The batch runner of `B`: the registered one, else [`rayon_scope`] for burn-ndarray.
+pub(crate) fn batch_runner_for<B: IrBackend>() -> Option<BatchRunner> {
+    if let Some(registered) = batch_runner_registry().read().get(&TypeId::of::<B>()) {
+        return *registered;
+    }
+    let ndarray = std::any::type_name::<B>().starts_with("burn_ndarray::");
+    ndarray.then_some(rayon_scope as BatchRunner)
 }
 
 fn insert<B: IrBackend>(

@@ -67,6 +67,7 @@ use burn_ir::{BackendIr, TensorHandle};
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
+pub use crate::runtime::BatchRunner;
 #[cfg(feature = "cuda")]
 pub use cube::softmax as cube_softmax;
 #[cfg(feature = "cuda")]
@@ -74,7 +75,10 @@ pub use cube::{
     CUT_SIGHTINGS_ENV, CubeStreamFuser, FOREIGN_CUT_SIGHTINGS_ENV, FUSERS_ENV,
     MIN_ELEMENTWISE_OPS_ENV, cube_fuser, cube_fuser_with,
 };
-pub use fuser_registry::{SoftmaxKernel, SoftmaxKind, register_fuser, register_softmax};
+pub use fuser_registry::{
+    SoftmaxKernel, SoftmaxKind, rayon_scope, register_batch_runner, register_fuser,
+    register_softmax,
+};
 pub use publication_routes::{BackendEvent, BackendSource};
 pub use record::Tensor;
 pub use runtime::{BackendContext, BackendRuntime};

@@ -39,6 +39,9 @@ pub(crate) trait OpIr: Send + Sync + 'static {
     /// Whether every run function of this IR takes each operand through [`Take`] (see
     /// [`OpBody::takes_its_inputs`]).
     const TAKES_ITS_INPUTS: bool;
+    /// Whether the operation `name` of this IR spreads over the backend's thread pool (see
+    /// [`OpBody::uses_thread_pool`]).
+    fn uses_thread_pool(name: &str) -> bool;
 }
 
 /// [`OpIr`] for IR structs with one `out` field, naming where their operands are. Their run
@@ -59,6 +62,10 @@ macro_rules! single_output_irs {
                 std::slice::from_ref(&self.out)
             }
             const TAKES_ITS_INPUTS: bool = true;
+            fn uses_thread_pool(_: &str) -> bool {
+                // Of these, only the matmuls (float and int) do; a constant per type.
+                std::any::TypeId::of::<Self>() == std::any::TypeId::of::<MatmulOpIr>()
+            }
         }
     )*};
 }
@@ -114,6 +121,27 @@ impl<I: Send + Sync + 'static> OpIr for Listed<I> {
     }
     // Hand-written run functions may take an operand another way, or not at all.
     const TAKES_ITS_INPUTS: bool = false;
+    fn uses_thread_pool(name: &str) -> bool {
+        thread_pool_op(name)
+    }
+}
+
+/// Whether burn's operation `name` is one a CPU backend spreads over its thread pool: burn-
+/// ndarray runs its matmuls, convolutions (deformable and transposed ones too), pooling,
+/// interpolation and grid sampling, and their backward passes, through rayon; an attention is
+/// made of matmuls.
+fn thread_pool_op(name: &str) -> bool {
+    const PREFIXES: [&str; 8] = [
+        "conv",
+        "deform_conv",
+        "max_pool",
+        "avg_pool",
+        "adaptive_avg_pool",
+        "interpolate",
+        "grid_sample",
+        "attention",
+    ];
+    name.ends_with("matmul") || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
 }
 
 /// A queued backend operation: its IR, and how to run it and describe it.
@@ -167,6 +195,10 @@ impl<B: IrBackend, L: OpIr> OpBody<BackendRuntime<B>> for BackendOp<B, L> {
 
     fn takes_its_inputs(&self) -> bool {
         L::TAKES_ITS_INPUTS
+    }
+
+    fn uses_thread_pool(&self) -> bool {
+        L::uses_thread_pool(self.name)
     }
 }
 
@@ -446,5 +478,40 @@ impl<H: Clone, S: Source<H>> Take<H> for S {
 
     fn take_bool<B: IrBackend<Handle = H>>(&mut self, ir: &TensorIr) -> B::BoolTensorPrimitive {
         B::bool_tensor(self.take_tensor(ir))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_operations_burn_ndarray_runs_on_rayon_use_the_thread_pool() {
+        for name in [
+            "float_matmul",
+            "int_matmul",
+            "conv2d",
+            "conv_transpose1d",
+            "deform_conv2d_backward",
+            "max_pool2d_with_indices",
+            "avg_pool2d_backward",
+            "adaptive_avg_pool2d",
+            "interpolate",
+            "attention",
+        ] {
+            assert!(thread_pool_op(name), "{name}");
+        }
+        for name in [
+            "float_add",
+            "float_tanh",
+            "float_sum_dim",
+            "relu",
+            "softmax",
+            "rfft",
+        ] {
+            assert!(!thread_pool_op(name), "{name}");
+        }
+        assert!(<MatmulOpIr as OpIr>::uses_thread_pool("anything"));
+        assert!(!<BinaryOpIr as OpIr>::uses_thread_pool("float_matmul"));
     }
 }

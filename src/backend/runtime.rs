@@ -23,7 +23,7 @@ use super::publication_routes::RETIREMENT_CAPACITY;
 
 use crate::host::Unfused;
 use crate::runtime::host::worker::Workers;
-use crate::runtime::{Kernel, KernelInputs, Retired, RetirementQueue, StreamRuntime};
+use crate::runtime::{BatchRunner, Kernel, KernelInputs, Retired, RetirementQueue, StreamRuntime};
 use crate::{Error, Result};
 
 /// The engine's runtime over the burn backend `B`: its handles are `B`'s own handles, an alias
@@ -56,6 +56,9 @@ pub struct BackendContext<B: IrBackend> {
     /// Whether a fuser was registered for `B` when the device was opened (read once: recording
     /// asks it per operation, see `ActivationOps::relu`).
     has_fuser: bool,
+    /// Where a batch holding an operation that spreads over `B`'s thread pool runs (read once,
+    /// see [`register_batch_runner`](super::register_batch_runner)).
+    batch_runner: Option<BatchRunner>,
     /// The softmax kernel registered for `B` when the device was opened (see
     /// [`register_softmax`](super::register_softmax)).
     softmax: Option<super::fuser_registry::SoftmaxKernel<B>>,
@@ -235,12 +238,17 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
             device: device.clone(),
             rules: rules_for::<B>(device),
             has_fuser: super::fuser_registry::has_fuser::<B>(),
+            batch_runner: super::fuser_registry::batch_runner_for::<B>(),
             softmax: super::fuser_registry::softmax_for::<B>(),
             transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
             #[cfg(feature = "cuda")]
             cuda: super::cuda::CudaRoute::for_backend::<B>(device),
             retirement: RetirementQueue::new(RETIREMENT_CAPACITY),
         })
+    }
+
+    fn batch_runner(ctx: &BackendContext<B>) -> Option<BatchRunner> {
+        ctx.batch_runner
     }
 
     fn upload(ctx: &BackendContext<B>, data: TensorData) -> Result<B::Handle> {

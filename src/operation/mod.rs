@@ -143,6 +143,13 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     fn takes_its_inputs(&self) -> bool {
         false
     }
+    /// Whether its execution may spread over a thread pool of the backend's own (burn-ndarray's
+    /// matmuls, convolutions and pooling run on rayon's): a queue's worth of operations holding
+    /// one runs where the runtime's [`batch_runner`](crate::runtime::StreamRuntime::batch_runner)
+    /// puts it. `false` by default.
+    fn uses_thread_pool(&self) -> bool {
+        false
+    }
     /// The three answers above, in one call: the engine asks them of every operation it runs,
     /// and through the queue's `dyn OpBody` each answer is a call of its own.
     #[inline]

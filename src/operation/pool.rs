@@ -94,6 +94,11 @@ struct Lists {
 }
 
 impl Lists {
+    const EMPTY: Lists = Lists {
+        slots: [List::EMPTY; SLOTS],
+        kept: 0,
+    };
+
     #[inline]
     fn list(&mut self, layout: Layout) -> Option<&mut List> {
         self.slots.iter_mut().find(|list| list.layout == layout)
@@ -138,12 +143,7 @@ impl Drop for Lists {
 }
 
 std::thread_local! {
-    static FREE: RefCell<Lists> = const {
-        RefCell::new(Lists {
-            slots: [List::EMPTY; SLOTS],
-            kept: 0,
-        })
-    };
+    static FREE: RefCell<Lists> = const { RefCell::new(Lists::EMPTY) };
 }
 
 fn keeps(layout: Layout) -> bool {
@@ -202,6 +202,57 @@ pub(crate) fn recycle<T: ?Sized>(boxed: Box<T>) {
             free.keep(block);
         }
     });
+}
+
+/// A thread's kept blocks, lent to another thread for a while: a stream's batch run there (see
+/// `stream::execution`, `run_batch`) frees its bodies into the lists of the thread that boxed
+/// them, which boxes the next ones.
+pub(crate) struct Lent(Lists);
+
+// SAFETY: the lists own their blocks (allocations of the global allocator holding no value,
+// which any thread may free or reuse) and nothing else points into them.
+unsafe impl Send for Lent {}
+
+/// The calling thread's kept blocks, taken out of it (it keeps none until [`put_back`]).
+pub(crate) fn lend() -> Lent {
+    Lent(swap_lists(Lists::EMPTY))
+}
+
+/// Give `lent` back to the thread that lent it (that thread calls this).
+pub(crate) fn put_back(lent: Lent) {
+    // What the thread kept meanwhile (nothing, unless it boxed and freed bodies itself) is freed.
+    drop(swap_lists(lent.0));
+}
+
+/// Run `f` on this thread with `lent` as its kept blocks, then take them back into `lent`
+/// (also on unwind); the thread's own are set aside meanwhile. Nests: each call restores what
+/// it found.
+pub(crate) fn with_lent<T>(lent: &mut Lent, f: impl FnOnce() -> T) -> T {
+    struct Restore<'a>(&'a mut Lent);
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            let lent = swap_lists(Lists::EMPTY);
+            let own = std::mem::replace(&mut self.0.0, lent);
+            drop(swap_lists(own));
+        }
+    }
+    let own = swap_lists(std::mem::replace(&mut lent.0, Lists::EMPTY));
+    lent.0 = own;
+    // `lent` holds this thread's own lists now; `Restore` swaps them back.
+    let _restore = Restore(lent);
+    f()
+}
+
+/// Put `lists` in this thread's place and return what was there (an empty set when the
+/// thread-local is gone or in use).
+fn swap_lists(lists: Lists) -> Lists {
+    let mut lists = Some(lists);
+    let swapped = FREE.try_with(|free| {
+        let mut free = free.try_borrow_mut().ok()?;
+        Some(std::mem::replace(&mut *free, lists.take()?))
+    });
+    // Lists that found no place are dropped here, which frees their blocks.
+    swapped.ok().flatten().unwrap_or(Lists::EMPTY)
 }
 
 /// Blocks this thread keeps (for tests).
@@ -312,6 +363,41 @@ mod tests {
                 2 * (32 + 24 + 16 + 8)
             );
             assert_eq!(kept(), 0);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn lent_blocks_serve_another_thread_and_come_back_with_what_it_freed() {
+        std::thread::spawn(|| {
+            let drops = Arc::new(AtomicUsize::new(0));
+            let tracked = |k| boxed(Tracked(drops.clone(), [k; 8])) as Box<dyn Body>;
+            recycle(tracked(1));
+            assert_eq!(kept(), 1);
+            let mut lent = lend();
+            assert_eq!(kept(), 0, "lent out, not kept here");
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    // The other thread's own block is set aside while it holds the lent ones.
+                    recycle(boxed([1u8; 16]) as Box<dyn Body>);
+                    assert_eq!(kept(), 1);
+                    with_lent(&mut lent, || {
+                        assert_eq!(kept(), 1, "the lent block");
+                        let reused = tracked(2);
+                        assert_eq!(kept(), 0, "taken from the lent list");
+                        assert_eq!(reused.sum(), 16);
+                        let another = tracked(3);
+                        recycle(reused);
+                        recycle(another);
+                        assert_eq!(kept(), 2);
+                    });
+                    assert_eq!(kept(), 1, "its own block is back");
+                });
+            });
+            put_back(lent);
+            assert_eq!(kept(), 2, "both blocks freed there are kept here");
+            assert_eq!(drops.load(Ordering::SeqCst), 3);
         })
         .join()
         .unwrap();

@@ -19,6 +19,14 @@ pub(crate) enum QueuedOp<R: StreamRuntime> {
     Op(PendingOp<R>),
 }
 
+impl<R: StreamRuntime> QueuedOp<R> {
+    /// Whether it is an operation that spreads over the backend's thread pool
+    /// ([`OpBody::uses_thread_pool`]).
+    pub(crate) fn uses_thread_pool(&self) -> bool {
+        matches!(self, QueuedOp::Op(op) if op.uses_thread_pool())
+    }
+}
+
 /// How an operation body becomes a queue entry.
 pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
     fn into_queued(self) -> QueuedOp<R> {
@@ -74,5 +82,9 @@ impl<R: StreamRuntime, B: OpBody<R> + ?Sized> OpBody<R> for Box<B> {
 
     fn traits(&self) -> super::Traits {
         (**self).traits()
+    }
+
+    fn uses_thread_pool(&self) -> bool {
+        (**self).uses_thread_pool()
     }
 }

@@ -110,6 +110,11 @@ pub fn first_input_reusable<R: StreamRuntime>(
     })
 }
 
+/// A way to run a batch of queued operations: call `batch` once, on any thread, and return
+/// after it has returned (see [`StreamRuntime::batch_runner`]). A panic out of `batch` must reach
+/// the caller.
+pub type BatchRunner = fn(batch: &mut (dyn FnMut() + Send));
+
 /// The inputs of one kernel launch (inline up to two: no allocation per launch).
 pub type KernelInputs<'a, H> = smallvec::SmallVec<[KernelInput<'a, H>; 2]>;
 
@@ -245,6 +250,16 @@ pub trait StreamRuntime: FusionRuntime {
     fn release_after_use(ctx: &Self::Context, stream: StreamId, handles: Vec<Self::FusionHandle>) {
         let _ = (ctx, stream);
         drop(handles);
+    }
+
+    /// Where a stream that does not fuse runs a queue's worth of operations of which one or more
+    /// spread over a thread pool of the backend's own (for `StreamFusion<B>`: a matmul, a
+    /// convolution, a pooling, an interpolation or an attention): the engine hands the whole
+    /// batch to the runner, from the thread that drains the queue, and the runner returns once
+    /// it has run. `None` (the default): on that thread, as any other batch.
+    fn batch_runner(ctx: &Self::Context) -> Option<BatchRunner> {
+        let _ = ctx;
+        None
     }
 
     /// Dispatch `kernel` on the current stream ([`burn_backend::StreamId::current`]) and return the

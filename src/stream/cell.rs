@@ -31,6 +31,25 @@ pub(crate) fn in_engine() -> bool {
     LOCKS_HELD.with(|held| held.get() > 0)
 }
 
+/// Counts the current thread as inside the engine until dropped, as if it held a stream lock:
+/// for a batch that a [`BatchRunner`](crate::runtime::BatchRunner) runs on another thread than
+/// the one holding the stream's lock, so that an operation calling back into the engine is
+/// refused there too.
+pub(crate) struct InEngine(());
+
+impl InEngine {
+    pub(crate) fn enter() -> Self {
+        LOCKS_HELD.with(|held| held.set(held.get() + 1));
+        InEngine(())
+    }
+}
+
+impl Drop for InEngine {
+    fn drop(&mut self) {
+        LOCKS_HELD.with(|held| held.set(held.get() - 1));
+    }
+}
+
 /// Work handed to a stream by a thread that could not take its lock.
 pub(crate) enum InboxMessage<R: StreamRuntime> {
     /// The last live tensor of this id went away: release it (foreign-drop rules).

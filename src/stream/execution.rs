@@ -155,25 +155,35 @@ impl<R: StreamRuntime> StreamState<R> {
             // unwind leaves the stream ungated, never a permit held.
             let gate = self.gate.take();
             let permit = super::gate::enter(gate.as_deref());
-            super::exec::executes(id, exec, || match self.fuser.take() {
-                Some(mut fuser) if fusing => {
-                    self.execute_fusing(&mut ops, &mut *fuser, lazy);
-                    self.fuser = Some(fuser);
-                }
-                mut fuser => {
-                    // Fusion was switched off with a run planned: forget the plan.
-                    if let Some(fuser) = &mut fuser
-                        && self.plan.scanned > 0
-                    {
-                        fuser.reset();
+            // A batch with an operation that spreads over the backend's thread pool goes to the
+            // runtime's batch runner, whole (see `run_through`).
+            let runner = if fusing { None } else { self.batch_runner };
+            let runner = runner.filter(|_| ops.iter().any(QueuedOp::uses_thread_pool));
+            let mut run = || {
+                super::exec::executes(id, exec, || match self.fuser.take() {
+                    Some(mut fuser) if fusing => {
+                        self.execute_fusing(&mut ops, &mut *fuser, lazy);
+                        self.fuser = Some(fuser);
                     }
-                    self.plan.clear();
-                    for op in ops.drain(..) {
-                        self.execute_entry(op);
+                    mut fuser => {
+                        // Fusion was switched off with a run planned: forget the plan.
+                        if let Some(fuser) = &mut fuser
+                            && self.plan.scanned > 0
+                        {
+                            fuser.reset();
+                        }
+                        self.plan.clear();
+                        for op in ops.drain(..) {
+                            self.execute_entry(op);
+                        }
+                        self.fuser = fuser;
                     }
-                    self.fuser = fuser;
-                }
-            });
+                })
+            };
+            match runner {
+                Some(runner) => run_through(runner, &mut run),
+                None => run(),
+            }
             drop(permit);
             self.gate = gate;
             // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
@@ -612,4 +622,19 @@ mod tests {
         ));
         assert_eq!(state.counters.ops_failed, 1);
     }
+}
+/// Run `batch` (a stream's execution, under the lock this thread holds) through `runner`, which
+/// may run it on another thread, where it stays as much inside the engine as here: an operation
+/// calling back into the engine is refused ([`super::cell::InEngine`]), and the bodies it frees
+/// go to this thread's kept blocks, from which this thread boxes the next ones
+/// ([`crate::operation::pool::lend`]). The stream's identity there is `executes`' (inside
+/// `batch`), which answers [`super::exec::current_stream`] with the stream being executed.
+fn run_through(runner: crate::runtime::BatchRunner, batch: &mut (dyn FnMut() + Send)) {
+    use crate::operation::pool;
+    let mut lent = pool::lend();
+    runner(&mut || {
+        let _inside = super::cell::InEngine::enter();
+        pool::with_lent(&mut lent, &mut *batch);
+    });
+    pool::put_back(lent);
 }

@@ -137,6 +137,9 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// ([`StreamRuntime::has_foreign_buffers`], asked once): only then are consumed operands
     /// looked up to ask `foreign_to` (`execute_one`), and [`Self::stamp`] kept.
     pub(crate) foreign_buffers: bool,
+    /// Where a batch holding an operation that spreads over the backend's thread pool runs when
+    /// the stream does not fuse ([`StreamRuntime::batch_runner`], asked once).
+    pub(crate) batch_runner: Option<crate::runtime::BatchRunner>,
     /// A value that changes, to one no stream ever had, whenever this stream may have dispatched
     /// a write to a buffer it allocated: after each execution of its queue and each handle
     /// registered here (an upload's write is dispatched before). Both happen under the stream's
@@ -168,6 +171,7 @@ impl<R: StreamRuntime> StreamState<R> {
         let foreign_buffers = R::has_foreign_buffers(&context);
         Self {
             foreign_buffers,
+            batch_runner: R::batch_runner(&context),
             stamp: next_stamp(),
             fusion: engine.fusion.clone(),
             gate: engine.gate.clone(),
