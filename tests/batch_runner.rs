@@ -4,8 +4,10 @@
 //! (`backend::rayon_scope`); `register_batch_runner` sets another.
 //!
 //! Each test binary is its own process, and a backend's runner is read when its engine opens:
-//! `NdArray<f32, i32>`, `<f32, i16>` and `<f32, i8>` (registered below, before their first use)
-//! and `NdArray<f64>` (left at the default) are used by this file alone.
+//! `NdArray<f32, i32>`, `<f32, i16>`, `<f32, i8>` and `<f32, u8>` (registered below, before
+//! their first use) and `NdArray<f32>` (left at the default) are used by this file alone. All are
+//! f32 backends: burn keeps a device's default float type per device, not per backend type, so
+//! an f64 backend on the same CPU device would change what the others' `from_data` makes.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +26,7 @@ use fusion_streams::backend::{BatchRunner, StreamFusion, register_batch_runner};
 /// Registered with a runner that moves every batch to a new thread.
 type Moved = NdArray<f32, i32>;
 /// Left at burn-ndarray's default runner.
-type Default64 = NdArray<f64>;
+type Unregistered = NdArray<f32>;
 
 std::thread_local! {
     /// Batches this thread handed to `on_a_new_thread`.
@@ -152,12 +154,12 @@ fn an_operation_run_by_the_runner_cannot_call_back_into_the_engine() {
 /// burn-ndarray's default: a batch with a matmul runs on one of rayon's workers.
 #[test]
 fn burn_ndarray_batches_run_in_rayons_pool_by_default() {
-    let (thread, worker, call) = callback_after_a_matmul::<Default64>(&Default::default());
+    let (thread, worker, call) = callback_after_a_matmul::<Unregistered>(&Default::default());
     assert!(worker, "not on a rayon worker");
     assert_ne!(thread, std::thread::current().id());
     assert!(matches!(call, Err(Error::Reentrant { .. })), "{call:?}");
-    let ours = mlp::<StreamFusion<Default64>>(&Default::default());
-    assert_eq!(ours, mlp::<Default64>(&Default::default()));
+    let ours = mlp::<StreamFusion<Unregistered>>(&Default::default());
+    assert_eq!(ours, mlp::<Unregistered>(&Default::default()));
 }
 
 /// A panic out of a handed-over batch (here: of the runner's own thread, after the batch ran)
@@ -211,6 +213,29 @@ fn a_batch_queued_at_thread_exit_runs_through_the_runner() {
         "the exiting thread did not hand its batch over"
     );
     assert_eq!(moved.into_data().to_vec::<f32>().unwrap(), expected);
-    let default = sent_away::<StreamFusion<Default64>>().into_data();
+    let default = sent_away::<StreamFusion<Unregistered>>().into_data();
     assert_eq!(default.to_vec::<f32>().unwrap(), expected);
+}
+
+/// A runner that breaks its contract, running the batch twice or not at all, still gets each
+/// batch run exactly once: the results are plain NdArray's.
+#[test]
+fn a_batch_runs_once_whatever_the_runner_does() {
+    type Careless = NdArray<f32, u8>;
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    fn twice_or_never(batch: &mut (dyn FnMut() + Send)) {
+        if CALLS.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) {
+            batch();
+            batch();
+        }
+    }
+    register_batch_runner::<Careless>(Some(twice_or_never as BatchRunner));
+    let device = Default::default();
+    for _ in 0..4 {
+        assert_eq!(
+            mlp::<StreamFusion<Careless>>(&device),
+            mlp::<Careless>(&device)
+        );
+    }
+    assert!(CALLS.load(Ordering::SeqCst) >= 4);
 }

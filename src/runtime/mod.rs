@@ -112,7 +112,8 @@ pub fn first_input_reusable<R: StreamRuntime>(
 
 /// A way to run a batch of queued operations: call `batch` once, on any thread, and return
 /// after it has returned (see [`StreamRuntime::batch_runner`]). A panic out of `batch` must reach
-/// the caller.
+/// the caller. The engine holds a runner to no more: a second call does nothing, and a batch the
+/// runner returned without running runs on the draining thread.
 pub type BatchRunner = fn(batch: &mut (dyn FnMut() + Send));
 
 /// The inputs of one kernel launch (inline up to two: no allocation per launch).

@@ -569,6 +569,32 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 }
 
+/// Run `batch` (a stream's execution, under the lock this thread holds) through `runner`, which
+/// may run it on another thread, where it stays as much inside the engine as here: an operation
+/// calling back into the engine is refused ([`super::cell::InEngine`]), and the bodies it frees
+/// go to this thread's kept blocks, from which this thread boxes the next ones
+/// ([`crate::operation::pool::lend`]). The stream's identity there is `executes`' (inside
+/// `batch`), which answers [`super::exec::current_stream`] with the stream being executed.
+///
+/// The batch runs once whatever the runner does: a second call of it does nothing, and a
+/// runner that returns without calling it has it run here.
+fn run_through(runner: crate::runtime::BatchRunner, batch: &mut (dyn FnMut() + Send)) {
+    use crate::operation::pool;
+    let mut lent = pool::lend();
+    let mut ran = false;
+    runner(&mut || {
+        if !std::mem::replace(&mut ran, true) {
+            let _inside = super::cell::InEngine::enter();
+            pool::with_lent(&mut lent, &mut *batch);
+        }
+    });
+    pool::put_back(lent);
+    if !ran {
+        tracing::warn!("a batch runner returned without running its batch; ran it in place");
+        batch();
+    }
+}
+
 #[cfg(all(test, debug_assertions))]
 mod tests {
     //! Property: in debug builds, an operation whose output id already holds a handle is refused
@@ -622,19 +648,4 @@ mod tests {
         ));
         assert_eq!(state.counters.ops_failed, 1);
     }
-}
-/// Run `batch` (a stream's execution, under the lock this thread holds) through `runner`, which
-/// may run it on another thread, where it stays as much inside the engine as here: an operation
-/// calling back into the engine is refused ([`super::cell::InEngine`]), and the bodies it frees
-/// go to this thread's kept blocks, from which this thread boxes the next ones
-/// ([`crate::operation::pool::lend`]). The stream's identity there is `executes`' (inside
-/// `batch`), which answers [`super::exec::current_stream`] with the stream being executed.
-fn run_through(runner: crate::runtime::BatchRunner, batch: &mut (dyn FnMut() + Send)) {
-    use crate::operation::pool;
-    let mut lent = pool::lend();
-    runner(&mut || {
-        let _inside = super::cell::InEngine::enter();
-        pool::with_lent(&mut lent, &mut *batch);
-    });
-    pool::put_back(lent);
 }
