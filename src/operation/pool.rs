@@ -205,7 +205,7 @@ pub(crate) fn recycle<T: ?Sized>(boxed: Box<T>) {
 }
 
 /// A thread's kept blocks, lent to another thread for a while: a stream's batch run there (see
-/// `stream::execution`, `run_batch`) frees its bodies into the lists of the thread that boxed
+/// `stream::execution`, `run_through`) frees its bodies into the lists of the thread that boxed
 /// them, which boxes the next ones.
 pub(crate) struct Lent(Lists);
 
@@ -231,16 +231,18 @@ pub(crate) fn with_lent<T>(lent: &mut Lent, f: impl FnOnce() -> T) -> T {
     struct Restore<'a>(&'a mut Lent);
     impl Drop for Restore<'_> {
         fn drop(&mut self) {
-            let lent = swap_lists(Lists::EMPTY);
-            let own = std::mem::replace(&mut self.0.0, lent);
-            drop(swap_lists(own));
+            exchange(&mut self.0.0);
         }
     }
-    let own = swap_lists(std::mem::replace(&mut lent.0, Lists::EMPTY));
-    lent.0 = own;
-    // `lent` holds this thread's own lists now; `Restore` swaps them back.
+    // `lent` holds this thread's own lists from here until `Restore` swaps them back.
+    exchange(&mut lent.0);
     let _restore = Restore(lent);
     f()
+}
+
+/// Swap `lists` with this thread's.
+fn exchange(lists: &mut Lists) {
+    *lists = swap_lists(std::mem::replace(lists, Lists::EMPTY));
 }
 
 /// Put `lists` in this thread's place and return what was there (an empty set when the
