@@ -62,6 +62,9 @@
 //! `FUSION_STREAMS_BENCH_BATCH_RUNNER=off` makes our engine run every batch on the thread that
 //! drains it (`fusion_streams::backend::register_batch_runner::<B>(None)`), where burn-ndarray's
 //! default hands each batch holding a matmul to rayon's pool in one trip.
+//! `FUSION_STREAMS_BENCH_ALIGNED=1` puts every allocation of 1 KiB or more on a 64-byte boundary
+//! (`benches/common/aligned.rs`), so that NdArray's SIMD loops meet the same boundary on both
+//! sides whatever the heap's history (it moves the 1 Ki chain's ratio by a few thousandths).
 //! `FUSION_STREAMS_BENCH_QUICK=1` shortens it (smoke runs); with the `cuda` feature, `B` is
 //! `CubeBackend<CudaRuntime>` instead of `NdArray`.
 //!
@@ -84,7 +87,11 @@ mod common;
 #[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
+use common::aligned::{ALIGNED, Aligned};
 use under_test::{Ours, Plain, elementwise_chain};
+
+#[global_allocator]
+static ALLOCATOR: Aligned = Aligned;
 #[cfg(feature = "cuda")]
 type BurnFusion = burn_fusion::Fusion<Plain>;
 
@@ -700,6 +707,12 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    // First, before any large allocation (see `common::aligned`).
+    let aligned = std::env::var_os("FUSION_STREAMS_BENCH_ALIGNED").is_some_and(|v| v == "1");
+    ALIGNED.store(aligned, std::sync::atomic::Ordering::Relaxed);
+    if aligned {
+        eprintln!("allocations of 1 KiB or more on a 64-byte boundary");
+    }
     // `cargo bench` passes `--bench`; there are no filters to honour.
     let device = Default::default();
     if std::env::var_os("FUSION_STREAMS_BENCH_PROFILE").is_some() {

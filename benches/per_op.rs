@@ -29,8 +29,7 @@
 //! their operands into buffers of their own; there the aligned allocations would only add
 //! `memalign`'s own heap-dependent cost, so they stay off.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use burn_backend::Backend;
@@ -42,66 +41,8 @@ mod common;
 #[path = "../tests/under_test/mod.rs"]
 mod under_test;
 
+use common::aligned::{ALIGNED, Aligned};
 use under_test::elementwise_chain;
-
-/// The system allocator, with allocations of [`Aligned::LARGE`] bytes or more on a 64-byte
-/// boundary while [`ALIGNED`] is set (see the module docs).
-struct Aligned;
-
-/// Set once, in `main`, before any allocation of [`Aligned::LARGE`] bytes or more.
-static ALIGNED: AtomicBool = AtomicBool::new(false);
-
-impl Aligned {
-    const LARGE: usize = 1024;
-
-    fn layout(layout: Layout) -> Layout {
-        let aligned = ALIGNED.load(Ordering::Relaxed);
-        if !aligned || layout.size() < Self::LARGE || layout.align() >= 64 {
-            return layout;
-        }
-        // A valid layout's size stays valid at a larger power-of-two alignment up to 64.
-        Layout::from_size_align(layout.size(), 64).unwrap_or(layout)
-    }
-}
-
-// SAFETY: every call forwards to `System` with the layout `Aligned::layout` derives from the
-// caller's. It gives the same layout when a block is freed or grown as when it was made:
-// `ALIGNED` is set once, in `main`, before any allocation of `LARGE` bytes or more (what the
-// runtime and the argument list allocate before it is smaller), and never changes after. The
-// alignment only grows, so the caller's is met.
-unsafe impl GlobalAlloc for Aligned {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        unsafe { System.alloc(Self::layout(layout)) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        unsafe { System.alloc_zeroed(Self::layout(layout)) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, Self::layout(layout)) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let old = Self::layout(layout);
-        let Ok(wanted) = Layout::from_size_align(new_size, layout.align()) else {
-            return std::ptr::null_mut();
-        };
-        let new = Self::layout(wanted);
-        if new.align() == old.align() {
-            return unsafe { System.realloc(ptr, old, new_size) };
-        }
-        // Crossing `LARGE` changes the alignment: move the bytes by hand.
-        let moved = unsafe { System.alloc(new) };
-        if !moved.is_null() {
-            unsafe {
-                std::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
-                System.dealloc(ptr, old);
-            }
-        }
-        moved
-    }
-}
 
 #[global_allocator]
 static ALLOCATOR: Aligned = Aligned;

@@ -3,6 +3,8 @@
 //! the engine settings the environment asks for (the backend benches).
 #![allow(dead_code)]
 
+pub mod aligned;
+
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
