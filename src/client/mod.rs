@@ -488,7 +488,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         // 2. The IRs move into the operation's body; the engine reads them there.
         let current = crate::stream::current_stream();
         let locals = A::map(operands, |o| Local::new(o, current));
-        let built = build(A::map_ref(&locals, Local::ir)).and_then(|body| {
+        let built = build(A::map_ref(&locals, |local| local.ir())).and_then(|body| {
             let outputs = body.outputs();
             if !O::fits(outputs.len()) {
                 return Err(wrong_output_count(body.name(), outputs.len()));
@@ -514,7 +514,7 @@ impl<R: StreamRuntime> FusionClient<R> {
         // keeps its home (it is this very cell) and is returned to the caller.
         let home = (locals.as_ref().iter().find_map(Local::home))
             .map(|cell| unsafe { crate::stream::CellRef::borrowed(cell) });
-        let mut owned = A::map(locals, Local::into_owned);
+        let mut owned = A::map(locals, |local| local.into_owned());
 
         // 4. (An exiting thread records through the engine's general path.)
         let streams = &self.inner.streams;

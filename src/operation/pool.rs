@@ -181,9 +181,24 @@ fn take(layout: Layout) -> Option<Block> {
 /// Drop `boxed`'s value and keep its allocation for [`boxed`] on this thread (or free it, when
 /// the thread keeps enough or the block is too large to keep).
 pub(crate) fn recycle<T: ?Sized>(boxed: Box<T>) {
+    let Some(block) = emptied(boxed) else { return };
+    // Otherwise (the thread is exiting, or a destructor run by `emptied` is recycling too)
+    // `block` drops here and frees the allocation.
+    let _ = FREE.try_with(|free| {
+        if let Ok(mut free) = free.try_borrow_mut() {
+            free.keep(block);
+        }
+    });
+}
+
+/// `boxed`'s allocation, its value dropped: a block to keep, if its size is one kept (otherwise
+/// it is freed here).
+#[inline(always)]
+fn emptied<T: ?Sized>(boxed: Box<T>) -> Option<Block> {
     let layout = Layout::for_value(&*boxed);
     if !keeps(layout) {
-        return drop(boxed);
+        drop(boxed);
+        return None;
     }
     let raw = Box::into_raw(boxed);
     // Owns the allocation from here on, so it is freed even if the value's destructor panics.
@@ -195,13 +210,7 @@ pub(crate) fn recycle<T: ?Sized>(boxed: Box<T>) {
     // SAFETY: `raw` came from a `Box` and holds a live value, dropped once here; its allocation
     // is `block`'s, which never reads it.
     unsafe { std::ptr::drop_in_place(raw) };
-    // Otherwise (the thread is exiting, or a destructor run above is recycling too) `block`
-    // drops here and frees the allocation.
-    let _ = FREE.try_with(|free| {
-        if let Ok(mut free) = free.try_borrow_mut() {
-            free.keep(block);
-        }
-    });
+    Some(block)
 }
 
 /// A thread's kept blocks, lent to another thread for a while: a stream's batch run there (see
@@ -214,8 +223,22 @@ pub(crate) struct Lent(Lists);
 unsafe impl Send for Lent {}
 
 /// The calling thread's kept blocks, taken out of it (it keeps none until [`put_back`]).
+///
+/// Also for a batch of frees on the thread itself ([`Lent::recycle`]): a stream that runs its
+/// queue frees a body per operation, and each [`recycle`] reaches the thread-local (~25
+/// instructions of NdArray's chain, `scripts/per-op-cost.sh`), where the batch reaches it twice.
 pub(crate) fn lend() -> Lent {
     Lent(swap_lists(Lists::EMPTY))
+}
+
+impl Lent {
+    /// [`recycle`] into these blocks rather than the thread's.
+    #[inline]
+    pub(crate) fn recycle<T: ?Sized>(&mut self, boxed: Box<T>) {
+        if let Some(block) = emptied(boxed) {
+            self.0.keep(block);
+        }
+    }
 }
 
 /// Give `lent` back to the thread that lent it (that thread calls this).
@@ -400,6 +423,51 @@ mod tests {
             put_back(lent);
             assert_eq!(kept(), 2, "both blocks freed there are kept here");
             assert_eq!(drops.load(Ordering::SeqCst), 3);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_batch_keeps_its_frees_in_the_taken_blocks_and_puts_them_back() {
+        std::thread::spawn(|| {
+            let drops = Arc::new(AtomicUsize::new(0));
+            let tracked = |k| boxed(Tracked(drops.clone(), [k; 8])) as Box<dyn Body>;
+            let batch: Vec<Box<dyn Body>> = (0..CAPACITY as u64 + 3).map(tracked).collect();
+            let at: Vec<*const u8> = batch
+                .iter()
+                .map(|b| (&**b as *const dyn Body).cast::<u8>())
+                .collect();
+            let mut kept_here = lend();
+            for body in batch {
+                kept_here.recycle(body);
+            }
+            assert_eq!(
+                drops.load(Ordering::SeqCst),
+                CAPACITY + 3,
+                "each value dropped once"
+            );
+            assert_eq!(kept(), 0, "nothing went through the thread-local");
+            put_back(kept_here);
+            assert_eq!(
+                kept(),
+                CAPACITY,
+                "at most `CAPACITY` kept; the rest were freed"
+            );
+            // The last block kept is the first reused.
+            let reused = tracked(9);
+            assert_eq!((&*reused as *const dyn Body).cast::<u8>(), at[CAPACITY - 1]);
+            assert_eq!(reused.sum(), 72);
+            // A block too large to keep is freed, never kept.
+            let mut kept_here = lend();
+            kept_here.recycle(Box::new([0u8; MAX_BLOCK + 1]) as Box<dyn Body>);
+            put_back(kept_here);
+            assert_eq!(
+                kept(),
+                CAPACITY - 1,
+                "the taken blocks are back, the large one is not"
+            );
+            drop(reused);
         })
         .join()
         .unwrap();

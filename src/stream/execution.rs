@@ -173,9 +173,13 @@ impl<R: StreamRuntime> StreamState<R> {
                             fuser.reset();
                         }
                         self.plan.clear();
+                        // The thread's kept blocks at hand for the batch's bodies (see
+                        // `pool::lend`); on an unwind they are freed with `kept`.
+                        let mut kept = crate::operation::pool::lend();
                         for op in ops.drain(..) {
-                            self.execute_entry(op);
+                            self.execute_entry_keeping(op, Some(&mut kept));
                         }
+                        crate::operation::pool::put_back(kept);
                         self.fuser = fuser;
                     }
                 })
@@ -207,12 +211,26 @@ impl<R: StreamRuntime> StreamState<R> {
 
     /// Execute one queued entry without fusion.
     fn execute_entry(&mut self, entry: QueuedOp<R>) {
+        self.execute_entry_keeping(entry, None);
+    }
+
+    /// [`Self::execute_entry`], its operation's block kept in `kept` (when its drop runs no user
+    /// code) rather than through the thread-local pool.
+    #[inline(always)]
+    fn execute_entry_keeping(
+        &mut self,
+        entry: QueuedOp<R>,
+        kept: Option<&mut crate::operation::pool::Lent>,
+    ) {
         match entry {
             QueuedOp::Drop(id) => self.free(id),
             QueuedOp::Op(op) => {
                 let traits = op.traits();
                 self.execute_one(&*op, traits);
-                self.dispose_as(op, traits);
+                match kept {
+                    Some(kept) if !traits.drop_runs_user_code => kept.recycle(op),
+                    _ => self.dispose_as(op, traits),
+                }
             }
         }
     }
@@ -412,31 +430,12 @@ impl<R: StreamRuntime> StreamState<R> {
             return;
         }
 
-        // A consumed input whose buffer is foreign to this stream gets a second owner for the
-        // call, so the backend's own in-place check (cubecl's `can_mut`) refuses it and the
-        // operation writes a fresh buffer; the second owner is then let go of in order, like
-        // the map's own handle (see `StreamState::let_go`), since the kernel just dispatched
-        // may still read the buffer after the operation dropped its own owner.
-        let mut kept: SmallVec<[R::FusionHandle; 2]> = SmallVec::new();
-        if self.foreign_buffers {
-            kept.extend(
-                op.inputs()
-                    .into_iter()
-                    .filter(|input| input.status == TensorStatus::ReadWrite)
-                    .filter_map(|input| self.handles.get_handle_ref(&input.id))
-                    .filter(|handle| R::foreign_to(&self.context, handle, self.exec))
-                    .cloned(),
-            );
-        }
-        let (handles, context) = (&mut self.handles, &*self.context);
-        let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
-        // Not iterated when empty: `into_iter` moves the list's inline storage (two handles),
-        // which on the host path cost more than the rest of this check.
-        if !kept.is_empty() {
-            for handle in kept {
-                self.let_go(handle);
-            }
-        }
+        let outcome = if self.foreign_buffers {
+            self.execute_keeping_foreign(op)
+        } else {
+            let (handles, context) = (&mut self.handles, &*self.context);
+            catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)))
+        };
         let failure = match outcome {
             Ok(Ok(())) => None,
             Ok(Err(error)) => Some(error),
@@ -470,6 +469,41 @@ impl<R: StreamRuntime> StreamState<R> {
             }
         }
         self.consume_inputs(op);
+    }
+
+    /// [`Self::execute_one`]'s call of `op` on a stream whose buffers may be foreign to it.
+    ///
+    /// A consumed input whose buffer is foreign to this stream gets a second owner for the
+    /// call, so the backend's own in-place check (cubecl's `can_mut`) refuses it and the
+    /// operation writes a fresh buffer; the second owner is then let go of in order, like the
+    /// map's own handle (see `StreamState::let_go`), since the kernel just dispatched may still
+    /// read the buffer after the operation dropped its own owner.
+    ///
+    /// Out of line: a stream without foreign buffers (a host backend's) would otherwise make
+    /// and drop an empty list of two handles around every operation (~20 instructions on
+    /// NdArray, `scripts/per-op-cost.sh`).
+    #[inline(never)]
+    fn execute_keeping_foreign<B: OpBody<R> + ?Sized>(
+        &mut self,
+        op: &B,
+    ) -> std::thread::Result<crate::Result<()>> {
+        let kept: SmallVec<[R::FusionHandle; 2]> = crate::small::collect(
+            op.inputs()
+                .into_iter()
+                .filter(|input| input.status == TensorStatus::ReadWrite)
+                .filter_map(|input| self.handles.get_handle_ref(&input.id))
+                .filter(|handle| R::foreign_to(&self.context, handle, self.exec))
+                .cloned(),
+        );
+        let (handles, context) = (&mut self.handles, &*self.context);
+        let outcome = catch_unwind(AssertUnwindSafe(|| op.execute(handles, context)));
+        // Not iterated when empty: `into_iter` moves the list's inline storage (two handles).
+        if !kept.is_empty() {
+            for handle in kept {
+                self.let_go(handle);
+            }
+        }
+        outcome
     }
 
     /// Record [`Error::OutputNotWritten`] on each output a successful execution left without a

@@ -82,6 +82,7 @@ pub(crate) fn will_run_exit_hooks() -> bool {
 
 /// Whether this thread has started exiting (its exit hooks are running): it must not execute
 /// operations any more.
+#[inline]
 pub(crate) fn exiting() -> bool {
     EXITING.with(Cell::get)
 }
