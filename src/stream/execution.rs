@@ -409,6 +409,7 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
+    #[inline(always)]
     fn execute_one<B: OpBody<R> + ?Sized>(&mut self, op: &B, traits: Traits) {
         self.counters.ops_executed += 1;
         // An operation that takes its own inputs (see `OpBody::takes_its_inputs`) needs neither
