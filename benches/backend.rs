@@ -417,7 +417,7 @@ fn compare(
         if verbose() {
             let first = if round % 2 == 0 { "ours" } else { theirs };
             eprintln!(
-                "  {name} round {round}: ours {:.2?}, {theirs} {:.2?} ({first} first)",
+                "  {name} round {round}: ours {:.4?}, {theirs} {:.4?} ({first} first)",
                 a[round], b[round]
             );
         }

@@ -22,8 +22,10 @@ else
   dir=$(mktemp -d)
   trap 'rm -rf "$dir"' EXIT
 fi
-bin=$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
-  sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)
+# PER_OP_BIN names a built benches/per_op.rs binary to model instead of this tree's (an A/B of
+# two builds, e.g. gpu-bin/host/per_op-NAME from scripts/host-ab.sh).
+bin=${PER_OP_BIN:-$(cargo bench --bench per_op --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*per_op[^"]*\)".*/\1/p' | tail -1)}
 [ -x "$bin" ] || { echo "cache-model: could not build benches/per_op.rs" >&2; exit 1; }
 export RAYON_NUM_THREADS=1
 # Every batch on the recording thread, as plain runs its operations (see scripts/per-op-cost.sh).
