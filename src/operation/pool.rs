@@ -213,9 +213,10 @@ fn emptied<T: ?Sized>(boxed: Box<T>) -> Option<Block> {
     Some(block)
 }
 
-/// A thread's kept blocks, lent to another thread for a while: a stream's batch run there (see
-/// `stream::execution`, `run_through`) frees its bodies into the lists of the thread that boxed
-/// them, which boxes the next ones.
+/// A thread's kept blocks, taken out of its thread-local for a while: lent to another thread, where
+/// a stream's batch run there (see `stream::execution`, `run_through`) frees its bodies into the
+/// lists of the thread that boxed them, which boxes the next ones; or held by the thread itself
+/// while it runs a batch ([`Lent::recycle`]).
 pub(crate) struct Lent(Lists);
 
 // SAFETY: the lists own their blocks (allocations of the global allocator holding no value,
@@ -305,6 +306,11 @@ mod tests {
         fn sum(&self) -> u64;
     }
 
+    /// Where a boxed body lives (its block).
+    fn block_of(body: &dyn Body) -> *const u8 {
+        (body as *const dyn Body).cast::<u8>()
+    }
+
     impl Body for Tracked {
         fn sum(&self) -> u64 {
             self.1.iter().sum()
@@ -321,18 +327,18 @@ mod tests {
     fn a_recycled_block_is_reused_for_the_same_layout_only() {
         let drops = Arc::new(AtomicUsize::new(0));
         let first: Box<dyn Body> = boxed(Tracked(drops.clone(), [1; 8]));
-        let first_at = (&*first as *const dyn Body).cast::<u8>();
+        let first_at = block_of(&*first);
         recycle(first);
         assert_eq!(drops.load(Ordering::SeqCst), 1, "the value is dropped once");
 
         // Another layout does not take the block.
         let other: Box<dyn Body> = boxed([1u8, 2, 3]);
-        assert_ne!((&*other as *const dyn Body).cast::<u8>(), first_at);
+        assert_ne!(block_of(&*other), first_at);
         assert_eq!(other.sum(), 6);
 
         // The same layout does, and holds the new value.
         let second: Box<dyn Body> = boxed(Tracked(drops.clone(), [2; 8]));
-        assert_eq!((&*second as *const dyn Body).cast::<u8>(), first_at);
+        assert_eq!(block_of(&*second), first_at);
         assert_eq!(second.sum(), 16);
         drop(second);
         assert_eq!(drops.load(Ordering::SeqCst), 2);
@@ -366,10 +372,7 @@ mod tests {
                 boxed([1u8; 32]),
                 boxed([1u8; 40]),
             ];
-            let at: Vec<*const u8> = blocks
-                .iter()
-                .map(|b| (&**b as *const dyn Body).cast::<u8>())
-                .collect();
+            let at: Vec<*const u8> = blocks.iter().map(|b| block_of(&**b)).collect();
             blocks.into_iter().for_each(recycle);
             assert_eq!(kept(), SLOTS);
             let again: [Box<dyn Body>; SLOTS] = [
@@ -378,10 +381,7 @@ mod tests {
                 boxed([2u8; 16]),
                 boxed([2u8; 8]),
             ];
-            let again_at: Vec<*const u8> = again
-                .iter()
-                .map(|b| (&**b as *const dyn Body).cast::<u8>())
-                .collect();
+            let again_at: Vec<*const u8> = again.iter().map(|b| block_of(&**b)).collect();
             assert_eq!(again_at, [at[3], at[2], at[1], at[0]]);
             assert_eq!(
                 again.iter().map(|b| b.sum()).sum::<u64>(),
@@ -434,10 +434,7 @@ mod tests {
             let drops = Arc::new(AtomicUsize::new(0));
             let tracked = |k| boxed(Tracked(drops.clone(), [k; 8])) as Box<dyn Body>;
             let batch: Vec<Box<dyn Body>> = (0..CAPACITY as u64 + 3).map(tracked).collect();
-            let at: Vec<*const u8> = batch
-                .iter()
-                .map(|b| (&**b as *const dyn Body).cast::<u8>())
-                .collect();
+            let at: Vec<*const u8> = batch.iter().map(|b| block_of(&**b)).collect();
             let mut kept_here = lend();
             for body in batch {
                 kept_here.recycle(body);
@@ -456,7 +453,7 @@ mod tests {
             );
             // The last block kept is the first reused.
             let reused = tracked(9);
-            assert_eq!((&*reused as *const dyn Body).cast::<u8>(), at[CAPACITY - 1]);
+            assert_eq!(block_of(&*reused), at[CAPACITY - 1]);
             assert_eq!(reused.sum(), 72);
             // A block too large to keep is freed, never kept.
             let mut kept_here = lend();
