@@ -485,6 +485,32 @@ impl<H: Clone, S: Source<H>> Take<H> for S {
 mod tests {
     use super::*;
 
+    /// One batch of elementwise operations on NdArray, each run through
+    /// `OpBody::execute_then_drop` (one call through its `dyn` table that runs it and drops
+    /// it), one of them failing: the results before it are right, the failure is recorded on
+    /// its output and travels to what reads it, and the stream goes on working. Small enough to
+    /// run under miri (`cargo miri test --lib -- backend::record`), which checks the in-place
+    /// drops and the kept allocations.
+    #[test]
+    fn a_batch_runs_each_operation_through_one_call_and_keeps_a_failure_on_its_outputs() {
+        use burn_tensor::{Int, Tensor};
+        type Ours = super::super::StreamFusion<burn_ndarray::NdArray>;
+
+        let device = Default::default();
+        let x = Tensor::<Ours, 1>::from_data([1.0, -2.0], &device);
+        let y = -((x * 2.0).abs() + 0.5);
+        let y = y.abs();
+        let a = Tensor::<Ours, 1, Int>::from_data([4, 2], &device);
+        let zero = Tensor::<Ours, 1, Int>::from_data([0, 0], &device);
+        let failed = (a / zero).float() * 2.0;
+        let after = y.clone() * 4.0;
+        let error = failed.try_into_data().unwrap_err().to_string();
+        assert!(error.contains("int_div"), "{error}");
+        // Exact in f32 (no transcendental function, whose results miri perturbs on purpose).
+        assert_eq!(y.into_data().to_vec::<f32>().unwrap(), vec![2.5, 4.5]);
+        assert_eq!(after.into_data().to_vec::<f32>().unwrap(), vec![10.0, 18.0]);
+    }
+
     #[test]
     fn the_operations_burn_ndarray_runs_on_rayon_use_the_thread_pool() {
         for name in [

@@ -150,15 +150,47 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     fn uses_thread_pool(&self) -> bool {
         false
     }
-    /// The three answers above, in one call: the engine asks them of every operation it runs,
-    /// and through the queue's `dyn OpBody` each answer is a call of its own.
+    /// The four answers above, in one value: the engine asks them of every operation it runs,
+    /// and through the queue's `dyn OpBody` each answer would be a call of its own. A queue
+    /// entry carries them ([`QueuedOp::Op`]), asked once where the body's type is known.
     #[inline]
     fn traits(&self) -> Traits {
         Traits {
             drop_runs_user_code: self.drop_runs_user_code(),
             may_skip_outputs: self.may_skip_outputs(),
             takes_its_inputs: self.takes_its_inputs(),
+            uses_thread_pool: self.uses_thread_pool(),
         }
+    }
+    /// Run it, and drop it in place once it has succeeded: one call through the queue's `dyn`
+    /// table where running it and dropping it would take one each (and its drop glue is then
+    /// inlined here). The engine's path for a batch's bodies whose drop runs no user code
+    /// (`StreamState::execute_entry_keeping`), which then keeps the emptied allocation.
+    ///
+    /// Returns what [`std::panic::catch_unwind`] around [`Self::execute`] returns. On anything
+    /// but `Ok(Ok(()))` nothing was dropped: the body is whole, for the engine to record the
+    /// failure on its outputs and drop it as usual. A panic of the drop itself unwinds out of
+    /// here with the value partly dropped: the caller must then neither use nor free it (it
+    /// leaks its allocation), so that only bodies whose drop runs no user code come here.
+    ///
+    /// # Safety
+    ///
+    /// After `Ok(Ok(()))` the value behind `self` has been dropped: the caller must not use it
+    /// or drop it again, only free or reuse its allocation (as [`std::mem::ManuallyDrop::drop`]
+    /// asks of its caller).
+    #[inline]
+    unsafe fn execute_then_drop(
+        &mut self,
+        handles: &mut StreamHandles<R::FusionHandle>,
+        context: &R::Context,
+    ) -> std::thread::Result<Result<()>> {
+        let run = std::panic::AssertUnwindSafe(|| self.execute(handles, context));
+        let outcome = std::panic::catch_unwind(run);
+        if matches!(outcome, Ok(Ok(()))) {
+            // SAFETY: the caller does not use the value after a success (see above).
+            unsafe { std::ptr::drop_in_place(self as *mut Self) };
+        }
+        outcome
     }
 }
 
@@ -168,6 +200,7 @@ pub(crate) struct Traits {
     pub(crate) drop_runs_user_code: bool,
     pub(crate) may_skip_outputs: bool,
     pub(crate) takes_its_inputs: bool,
+    pub(crate) uses_thread_pool: bool,
 }
 
 /// The operand IRs of a queued operation, in order: a list, and for a binary IR struct (whose

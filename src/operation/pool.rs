@@ -240,6 +240,31 @@ impl Lent {
             self.0.keep(block);
         }
     }
+
+    /// Keep (or free) the allocation of a `Box` whose value was dropped in place already
+    /// (`OpBody::execute_then_drop`): `raw` is what [`Box::into_raw`] gave, `layout` the
+    /// value's, read before it was dropped.
+    ///
+    /// # Safety
+    ///
+    /// `raw` came from [`Box::into_raw`] of a `Box` (of the global allocator) holding a value of
+    /// `layout`, that value has been dropped, and nothing else uses or frees the allocation.
+    #[inline]
+    pub(crate) unsafe fn keep_emptied<T: ?Sized>(&mut self, raw: *mut T, layout: Layout) {
+        if layout.size() == 0 {
+            // A `Box` of a zero-sized value allocated nothing.
+            return;
+        }
+        // SAFETY: `Box::into_raw` never returns null; the allocation is of `layout` and ours
+        // (the caller's contract), which is what `Block` owns and frees if it is not kept.
+        let block = Block {
+            ptr: unsafe { NonNull::new_unchecked(raw.cast::<u8>()) },
+            layout,
+        };
+        if keeps(layout) {
+            self.0.keep(block);
+        }
+    }
 }
 
 /// Give `lent` back to the thread that lent it (that thread calls this).
@@ -465,6 +490,44 @@ mod tests {
                 "the taken blocks are back, the large one is not"
             );
             drop(reused);
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A body dropped in place by its own code (as `OpBody::execute_then_drop` does) leaves an
+    /// allocation that `keep_emptied` keeps for the next body of its layout; one too large is
+    /// freed, and a zero-sized value's `Box`, which allocated nothing, is left alone.
+    #[test]
+    fn an_allocation_emptied_in_place_is_kept_or_freed() {
+        /// What the engine does with a body that has run: its layout read, its value dropped
+        /// through its `dyn` table, its allocation handed on.
+        fn empty_into(lent: &mut Lent, body: Box<dyn Body>) {
+            let layout = Layout::for_value(&*body);
+            let raw = Box::into_raw(body);
+            // SAFETY: `raw` is a live `Box`'s value, dropped once here and never used again;
+            // its allocation (of `layout`) goes to `keep_emptied` alone.
+            unsafe {
+                std::ptr::drop_in_place(raw);
+                lent.keep_emptied(raw, layout);
+            }
+        }
+        std::thread::spawn(|| {
+            let drops = Arc::new(AtomicUsize::new(0));
+            let first: Box<dyn Body> = boxed(Tracked(drops.clone(), [3; 8]));
+            let first_at = block_of(&*first);
+            let mut kept_here = lend();
+            empty_into(&mut kept_here, first);
+            assert_eq!(drops.load(Ordering::SeqCst), 1, "the value is dropped once");
+            empty_into(&mut kept_here, Box::new([0u8; MAX_BLOCK + 1]));
+            empty_into(&mut kept_here, Box::new([0u8; 0]));
+            put_back(kept_here);
+            assert_eq!(kept(), 1, "the body's block alone is kept");
+            let second: Box<dyn Body> = boxed(Tracked(drops.clone(), [4; 8]));
+            assert_eq!(block_of(&*second), first_at, "and reused");
+            assert_eq!(second.sum(), 32);
+            drop(second);
+            assert_eq!(drops.load(Ordering::SeqCst), 2);
         })
         .join()
         .unwrap();

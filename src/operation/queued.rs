@@ -10,27 +10,33 @@ use crate::runtime::StreamRuntime;
 /// operand IRs (which the engine's bookkeeping reads in place).
 pub(crate) type PendingOp<R> = Box<dyn OpBody<R>>;
 
-/// A queue entry: a drop, or an operation. Sixteen bytes, so that queueing and draining move a
-/// pointer: an operation body with its IR is a few hundred bytes, and moving it by value in and
-/// out of the queue cost more than the allocation that boxing it takes (measured with callgrind
-/// on a chain of backend operations).
+/// A queue entry: a drop, or an operation with its [`Traits`](super::Traits). Twenty-four bytes,
+/// so that queueing and draining move a pointer: an operation body with its IR is a few hundred
+/// bytes, and moving it by value in and out of the queue cost more than the allocation that
+/// boxing it takes (measured with callgrind on a chain of backend operations). The traits ride
+/// beside the pointer because the engine reads them for every operation of a batch (whether it
+/// spreads over the thread pool, then how to run and drop it), and asked through the body's
+/// `dyn` table each reading was an indirect call.
 pub(crate) enum QueuedOp<R: StreamRuntime> {
     Drop(TensorId),
-    Op(PendingOp<R>),
+    Op(PendingOp<R>, super::Traits),
 }
+
+const _: () = assert!(size_of::<QueuedOp<crate::host::HostRuntime>>() == 24);
 
 impl<R: StreamRuntime> QueuedOp<R> {
     /// Whether it is an operation that spreads over the backend's thread pool
     /// ([`OpBody::uses_thread_pool`]).
     pub(crate) fn uses_thread_pool(&self) -> bool {
-        matches!(self, QueuedOp::Op(op) if op.uses_thread_pool())
+        matches!(self, QueuedOp::Op(_, traits) if traits.uses_thread_pool)
     }
 }
 
 /// How an operation body becomes a queue entry.
 pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
     fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Op(super::pool::boxed(self))
+        let traits = self.traits();
+        QueuedOp::Op(super::pool::boxed(self), traits)
     }
 }
 
@@ -39,7 +45,8 @@ pub(crate) trait IntoQueued<R: StreamRuntime>: OpBody<R> + Sized + 'static {
 /// hundred bytes of IR).
 impl<R: StreamRuntime, B: OpBody<R> + 'static> IntoQueued<R> for Box<B> {
     fn into_queued(self) -> QueuedOp<R> {
-        QueuedOp::Op(self)
+        let traits = (*self).traits();
+        QueuedOp::Op(self, traits)
     }
 }
 

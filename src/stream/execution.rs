@@ -224,13 +224,114 @@ impl<R: StreamRuntime> StreamState<R> {
     ) {
         match entry {
             QueuedOp::Drop(id) => self.free(id),
-            QueuedOp::Op(op) => {
-                let traits = op.traits();
-                self.execute_one(&*op, traits);
-                match kept {
-                    Some(kept) if !traits.drop_runs_user_code => kept.recycle(op),
-                    _ => self.dispose_as(op, traits),
+            QueuedOp::Op(op, traits) => match kept {
+                Some(kept) if !traits.drop_runs_user_code => {
+                    if self.runs_in_one_call(traits) {
+                        self.execute_in_one_call(op, kept);
+                    } else {
+                        self.execute_one(&*op, traits);
+                        kept.recycle(op);
+                    }
                 }
+                _ => {
+                    self.execute_one(&*op, traits);
+                    self.dispose_as(op, traits);
+                }
+            },
+        }
+    }
+
+    /// Whether an operation of `traits` whose drop runs no user code may run through
+    /// [`Self::execute_in_one_call`]: it takes its own inputs and registers every output, so
+    /// that after a success [`Self::execute_one`] would have nothing left to check, on a stream
+    /// with no error record and no foreign buffer (no check or guard around the call either).
+    #[inline(always)]
+    fn runs_in_one_call(&self, traits: Traits) -> bool {
+        traits.takes_its_inputs
+            && !traits.may_skip_outputs
+            && self.errors.is_empty()
+            && !self.foreign_buffers
+    }
+
+    /// [`Self::execute_one`] and the drop of `op` into `kept`, for an operation that
+    /// [`Self::runs_in_one_call`], through one call of its own code
+    /// ([`OpBody::execute_then_drop`]) where running it and dropping it would take a call
+    /// through its `dyn` table each; the emptied allocation is then kept. (On NdArray's chain
+    /// the separate drop was a call that rarely finds its target predicted, around a block
+    /// descriptor built on the stack and read back wider than it was written.) A failure is
+    /// handled as `execute_one` handles it, the body whole.
+    #[inline(always)]
+    fn execute_in_one_call(
+        &mut self,
+        op: crate::operation::PendingOp<R>,
+        kept: &mut crate::operation::pool::Lent,
+    ) {
+        self.counters.ops_executed += 1;
+        // Debug builds check what `execute_one` checks there, from the ids read beforehand.
+        let checked = cfg!(debug_assertions).then(|| DebugIds::of(&*op));
+        if let Some(error) = self.ssa_violation(&*op) {
+            return self.failed_one_call(op, error, kept);
+        }
+        let layout = std::alloc::Layout::for_value(&*op);
+        let raw = Box::into_raw(op);
+        let (handles, context) = (&mut self.handles, &*self.context);
+        // SAFETY: `raw` is the live value of a `Box` we own; after a success it is dropped and
+        // only its allocation is used (`keep_emptied`), otherwise it is whole and boxed again.
+        let outcome = unsafe { (*raw).execute_then_drop(handles, context) };
+        if let Ok(Ok(())) = outcome {
+            if let Some(ids) = checked {
+                self.check_one_call(&ids);
+            }
+            // SAFETY: `raw` came from `Box::into_raw`, its value (of `layout`) is dropped, and
+            // nothing else holds it.
+            return unsafe { kept.keep_emptied(raw, layout) };
+        }
+        // SAFETY: not dropped (see above), and still only ours.
+        let op = unsafe { Box::from_raw(raw) };
+        let error = match outcome {
+            Ok(Err(error)) => error,
+            Err(payload) => Error::from_panic(op.name(), payload),
+            Ok(Ok(())) => unreachable!("a success returned above"),
+        };
+        self.failed_one_call(op, error, kept);
+    }
+
+    /// A failure of [`Self::execute_in_one_call`]: recorded as [`Self::execute_one`] records
+    /// it, then `op` dropped into `kept`.
+    #[cold]
+    #[inline(never)]
+    fn failed_one_call(
+        &mut self,
+        op: crate::operation::PendingOp<R>,
+        error: Error,
+        kept: &mut crate::operation::pool::Lent,
+    ) {
+        self.counters.ops_failed += 1;
+        tracing::debug!(op = op.name(), stream = %self.id, %error, "operation failed");
+        self.record_failure(op.outputs(), error);
+        self.consume_inputs(&*op);
+        kept.recycle(op);
+    }
+
+    /// What debug builds check after a success of [`Self::execute_in_one_call`], as
+    /// [`Self::execute_one`] checks it: every consumed input left the map, and every output
+    /// has a handle (else [`Error::OutputNotWritten`]).
+    #[cold]
+    fn check_one_call(&mut self, ids: &DebugIds) {
+        for id in &ids.consumed {
+            assert!(
+                !self.handles.has_handle(id) && !self.errors.contains_key(id),
+                "{} says it takes its inputs, and left a consumed one",
+                ids.name
+            );
+        }
+        for id in &ids.outputs {
+            if !self.handles.has_handle(id) {
+                let error = Error::OutputNotWritten {
+                    op: ids.name.clone().into(),
+                    id: *id,
+                };
+                self.errors.insert(*id, error);
             }
         }
     }
@@ -304,7 +405,7 @@ impl<R: StreamRuntime> StreamState<R> {
                     // A drop of a tensor the run never touched is not the fuser's concern: it
                     // is freed with the run (nothing after it may use the id).
                     if let Some(seen) = plan.seen.get(*id) {
-                        let Some(QueuedOp::Op(named)) = ops.get(plan.seen_in[seen]) else {
+                        let Some(QueuedOp::Op(named, _)) = ops.get(plan.seen_in[seen]) else {
                             unreachable!("a tensor is seen in an offered operation");
                         };
                         let mut ir = named.inputs().into_iter().chain(named.outputs());
@@ -319,7 +420,7 @@ impl<R: StreamRuntime> StreamState<R> {
                         plan.offered.push((plan.scanned, false));
                     }
                 }
-                QueuedOp::Op(op) => {
+                QueuedOp::Op(op, _) => {
                     // An input with an error record (or no handle) ends the run: the operation
                     // runs alone, so the error travels per tensor.
                     let failed = op
@@ -367,7 +468,7 @@ impl<R: StreamRuntime> StreamState<R> {
             .iter()
             .flat_map(|entry| match entry {
                 QueuedOp::Drop(id) => SmallVec::<[TensorId; 2]>::from_slice(&[*id]),
-                QueuedOp::Op(op) => op
+                QueuedOp::Op(op, _) => op
                     .inputs()
                     .into_iter()
                     .filter(|i| i.status == TensorStatus::ReadWrite)
@@ -381,7 +482,7 @@ impl<R: StreamRuntime> StreamState<R> {
                     self.free(id);
                     continue;
                 }
-                QueuedOp::Op(op) => op,
+                QueuedOp::Op(op, _) => op,
             };
             self.counters.ops_executed += 1;
             self.counters.ops_fused += 1;
@@ -630,6 +731,28 @@ fn run_through(runner: crate::runtime::BatchRunner, batch: &mut (dyn FnMut() + S
     }
 }
 
+/// The ids a debug build checks after [`StreamState::execute_in_one_call`], read before the
+/// operation runs (it is dropped by the time they are checked).
+struct DebugIds {
+    name: String,
+    consumed: SmallVec<[TensorId; 2]>,
+    outputs: SmallVec<[TensorId; 1]>,
+}
+
+impl DebugIds {
+    #[cold]
+    fn of<R: StreamRuntime, B: OpBody<R> + ?Sized>(op: &B) -> Self {
+        Self {
+            name: op.name().to_owned(),
+            consumed: (op.inputs().into_iter())
+                .filter(|input| input.status == TensorStatus::ReadWrite)
+                .map(|input| input.id)
+                .collect(),
+            outputs: op.outputs().iter().map(|out| out.id).collect(),
+        }
+    }
+}
+
 #[cfg(all(test, debug_assertions))]
 mod tests {
     //! Property: in debug builds, an operation whose output id already holds a handle is refused
@@ -675,7 +798,8 @@ mod tests {
             outputs: [out].into_iter().collect(),
             operation: Overwrite(existing, upload(2.0)),
         });
-        state.enqueue(QueuedOp::Op(op));
+        let traits = op.traits();
+        state.enqueue(QueuedOp::Op(op, traits));
         state.drain();
         assert!(matches!(
             state.errors.get(&existing),

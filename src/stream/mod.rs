@@ -804,7 +804,7 @@ impl<R: StreamRuntime> MultiStream<R> {
                 .iter()
                 .map(|op| match op {
                     QueuedOp::Drop(id) => Pending::Drop(*id),
-                    QueuedOp::Op(op) => Pending::Operation(Box::new(op.repr())),
+                    QueuedOp::Op(op, _) => Pending::Operation(Box::new(op.repr())),
                 })
                 .collect()
         })

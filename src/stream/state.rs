@@ -278,7 +278,7 @@ impl<R: StreamRuntime> StreamState<R> {
         match op {
             // A last drop by the home thread (`MultiStream::release`).
             QueuedOp::Drop(_) => self.counters.home_drops += 1,
-            QueuedOp::Op(_) => {
+            QueuedOp::Op(..) => {
                 self.counters.ops_registered += 1;
                 self.counters.ops_posted += u64::from(posted);
             }
@@ -302,7 +302,7 @@ impl<R: StreamRuntime> StreamState<R> {
             QueuedOp::Drop(id) => {
                 self.shared_sources.remove(id);
             }
-            QueuedOp::Op(body) => {
+            QueuedOp::Op(body, _) => {
                 for ir in body.inputs() {
                     if ir.status == burn_ir::TensorStatus::ReadWrite {
                         self.shared_sources.remove(&ir.id);
@@ -485,7 +485,7 @@ impl<R: StreamRuntime> StreamState<R> {
         }
         self.queue.iter().any(|op| match op {
             QueuedOp::Drop(_) => false,
-            QueuedOp::Op(op) => names::<R, _>(&**op, id),
+            QueuedOp::Op(op, _) => names::<R, _>(&**op, id),
         })
     }
 
@@ -623,7 +623,7 @@ impl<R: StreamRuntime> StreamState<R> {
     fn producer_position(&self, id: &TensorId) -> Option<usize> {
         self.queue.iter().position(|entry| match entry {
             QueuedOp::Drop(_) => false,
-            QueuedOp::Op(op) => op.outputs().iter().any(|out| out.id == *id),
+            QueuedOp::Op(op, _) => op.outputs().iter().any(|out| out.id == *id),
         })
     }
 }
