@@ -235,7 +235,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 }
                 _ => {
                     self.execute_one(&*op, traits);
-                    self.dispose_as(op, traits);
+                    self.dispose(op, traits);
                 }
             },
         }
@@ -325,15 +325,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 ids.name
             );
         }
-        for id in &ids.outputs {
-            if !self.handles.has_handle(id) {
-                let error = Error::OutputNotWritten {
-                    op: ids.name.clone().into(),
-                    id: *id,
-                };
-                self.errors.insert(*id, error);
-            }
-        }
+        self.note_unwritten(&ids.name, ids.outputs.iter().copied());
     }
 
     /// Execute the queue through `fuser`: each run it covers (two operations or more) as one
@@ -477,12 +469,12 @@ impl<R: StreamRuntime> StreamState<R> {
             })
             .collect();
         for entry in run {
-            let op = match entry {
+            let (op, traits) = match entry {
                 QueuedOp::Drop(id) => {
                     self.free(id);
                     continue;
                 }
-                QueuedOp::Op(op, _) => op,
+                QueuedOp::Op(op, traits) => (op, traits),
             };
             self.counters.ops_executed += 1;
             self.counters.ops_fused += 1;
@@ -506,7 +498,7 @@ impl<R: StreamRuntime> StreamState<R> {
                 }
             }
             self.consume_inputs(&*op);
-            self.dispose(op);
+            self.dispose(op, traits);
         }
     }
 
@@ -611,28 +603,27 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Record [`Error::OutputNotWritten`] on each output a successful execution left without a
     /// handle.
     fn check_outputs_written<B: OpBody<R> + ?Sized>(&mut self, op: &B) {
-        for out in op.outputs() {
-            if !self.handles.has_handle(&out.id) {
-                self.errors.insert(
-                    out.id,
-                    Error::OutputNotWritten {
-                        op: op.name().into(),
-                        id: out.id,
-                    },
-                );
+        let outputs = op.outputs().iter().map(|out| out.id);
+        self.note_unwritten(op.name(), outputs);
+    }
+
+    /// Record [`Error::OutputNotWritten`] on each of `outputs`, the outputs of the successful
+    /// execution of operation `name`, that has no handle.
+    fn note_unwritten(&mut self, name: &str, outputs: impl IntoIterator<Item = TensorId>) {
+        for id in outputs {
+            if !self.handles.has_handle(&id) {
+                let error = Error::OutputNotWritten {
+                    op: name.into(),
+                    id,
+                };
+                self.errors.insert(id, error);
             }
         }
     }
 
-    /// Drop an operation that has run (or was skipped), containing a panic of its destructor: the
-    /// panic is recorded on the operation's outputs.
-    fn dispose(&mut self, op: crate::operation::PendingOp<R>) {
-        let traits = op.traits();
-        self.dispose_as(op, traits);
-    }
-
-    /// [`Self::dispose`] with the operation's [`Traits`] at hand.
-    fn dispose_as(&mut self, op: crate::operation::PendingOp<R>, traits: Traits) {
+    /// Drop an operation that has run (or was skipped), of `traits` (its queue entry's),
+    /// containing a panic of its destructor: the panic is recorded on the operation's outputs.
+    fn dispose(&mut self, op: crate::operation::PendingOp<R>, traits: Traits) {
         // Dropped through the pool either way: its block is kept for the next body, and freed
         // if the destructor panics.
         if !traits.drop_runs_user_code {
