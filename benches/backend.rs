@@ -59,9 +59,9 @@
 //! it also prints the calling thread's time on a core and time waiting for one over the rounds.
 //! `FUSION_STREAMS_BENCH_MLP_REPS=<n>` sets the forwards each thread of the MLP rows runs
 //! (default 200; each thread starts, builds its weights and ends within the row's time).
-//! `FUSION_STREAMS_BENCH_BATCH_RUNNER=off` makes our engine run every batch on the thread that
-//! drains it (`fusion_streams::backend::register_batch_runner::<B>(None)`), where burn-ndarray's
-//! default hands each batch holding a matmul to rayon's pool in one trip.
+//! `FUSION_STREAMS_BENCH_BATCH_POOL=off` makes our engine run every batch on the thread that
+//! drains it (`BatchPlacement::InPlace`), where burn-ndarray's default hands each batch holding a
+//! matmul to the engine's batch pool in one trip.
 //! `FUSION_STREAMS_BENCH_ALIGNED=1` puts every allocation of 1 KiB or more on a 64-byte boundary
 //! (`benches/common/aligned.rs`), so that NdArray's SIMD loops meet the same boundary on both
 //! sides whatever the heap's history (it moves the 1 Ki chain's ratio by a few thousandths).
@@ -719,8 +719,8 @@ fn main() {
         fusion_streams::profile::enable(true);
         fusion_streams::profile::mark_current_thread();
     }
-    if common::batch_runner_from_env::<Plain>() {
-        eprintln!("our engine: every batch runs on the thread that drains it (no batch runner)");
+    if common::batch_placement_from_env::<Plain>() {
+        eprintln!("our engine: every batch runs on the thread that drains it (no batch pool)");
     }
     // How lazily our engine dispatches, if the environment says (`common::engine_config_from_env`).
     if let Some(config) = common::engine_config_from_env() {

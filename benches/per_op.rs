@@ -117,7 +117,7 @@ fn main() {
     let mlp = args.get(2).is_some_and(|w| w == "mlp");
     ALIGNED.store(!mlp, Ordering::Relaxed);
     // The engine settings of benches/backend.rs' knobs, if the environment sets any.
-    common::batch_runner_from_env::<Plain>();
+    common::batch_placement_from_env::<Plain>();
     if let Some(config) = common::engine_config_from_env() {
         assert!(
             Ours::configure(&Default::default(), config),

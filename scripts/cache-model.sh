@@ -29,7 +29,7 @@ bin=${PER_OP_BIN:-$(cargo bench --bench per_op --no-run --message-format=json 2>
 [ -x "$bin" ] || { echo "cache-model: could not build benches/per_op.rs" >&2; exit 1; }
 export RAYON_NUM_THREADS=1
 # Every batch on the recording thread, as plain runs its operations (see scripts/per-op-cost.sh).
-export FUSION_STREAMS_BENCH_BATCH_RUNNER=off
+export FUSION_STREAMS_BENCH_BATCH_POOL=off
 run() { # who n [mlp]
   valgrind --tool=callgrind --dump-instr=yes --cache-sim=yes --branch-sim=yes \
     --callgrind-out-file="$dir/cg.$1.$2${3:+.$3}" "$bin" "$1" "$2" ${3:-} >/dev/null 2>&1

@@ -13,7 +13,7 @@
 # Then the same for the small MLP forward of benches/backend.rs (batch 32, 64 -> 128 -> 16, one
 # read each, one rayon thread): the engine's instructions per forward, over 100 more forwards,
 # and plain's instructions over ours (the MLP's ratio as an instruction count), with every batch
-# run on the recording thread (FUSION_STREAMS_BENCH_BATCH_RUNNER=off; the last line gives ours
+# run on the recording thread (FUSION_STREAMS_BENCH_BATCH_POOL=off; the last line gives ours
 # with burn-ndarray's batch runner, which runs them on rayon's worker). Those totals
 # move by a thousand or more between runs: rayon's worker spins, waiting for work, for as long
 # as the scheduler lets it. The second MLP line counts the recording thread alone (callgrind's
@@ -79,7 +79,7 @@ for n in 20 120; do
 done
 # The engine's own cost: every batch on the recording thread, as plain runs its operations
 # (burn-ndarray's batch runner, on by default, runs a batch holding a matmul on rayon's worker).
-export FUSION_STREAMS_BENCH_BATCH_RUNNER=off
+export FUSION_STREAMS_BENCH_BATCH_POOL=off
 for who in ours plain; do
   for n in 20 120; do
     read -r ir[$who.mlp.$n] ir[$who.main.$n] <<<"$(count_threads "$who" "$n")"

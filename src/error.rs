@@ -199,10 +199,21 @@ impl Error {
         } else {
             "non-string panic payload".into()
         };
+        drop_payload(payload);
         Error::OperationPanicked {
             op: op.into(),
             message,
         }
+    }
+}
+
+/// Drop a panic payload without letting a panic of its destructor escape: code the engine does
+/// not own chose the payload, and its `Drop` runs wherever the engine lets go of it (a second
+/// payload is leaked rather than dropped: a destructor that panicked once may do it again).
+pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload)));
+    if let Err(second) = dropped {
+        std::mem::forget(second);
     }
 }
 

@@ -519,3 +519,75 @@ fn a_consuming_read_with_nothing_queued_takes_the_handle_itself() {
         z_elsewhere.join();
     });
 }
+
+/// A share from another thread drains the home stream through the shared tensor's producer and
+/// leaves the rest queued for the home thread. The home thread's drops queued behind it stayed
+/// queued too, so a home thread that then blocked (a producer waiting on its channel) held
+/// every buffer it had dropped until its next call into the engine: forever, if none came.
+#[test]
+fn drops_queued_behind_a_shared_tensor_are_freed_by_the_share() {
+    let c = client();
+    let home = Peer::spawn();
+    let c2 = c.clone();
+    let shared = home.run(move || {
+        let (a, b) = (f32s(&c2, &[1.0, 2.0]), f32s(&c2, &[3.0, 4.0]));
+        let shared = a.scale(2.0).unwrap(); // pending, reads `a`
+        drop((a, b)); // both drops queue behind it: nothing queued reads them any more
+        shared
+    });
+    assert_eq!(
+        c.stats().pending_ops,
+        3,
+        "the scale and two drops, queued at home"
+    );
+    // The home thread is idle now (blocked on its job queue). A share drains it.
+    let view = shared.clone();
+    let stats = c.stats();
+    assert_eq!(
+        stats.pending_ops, 0,
+        "the share left work queued: {stats:?}"
+    );
+    settle(&c);
+    assert_eq!(
+        host(&c).live_buffers(),
+        1,
+        "only the shared result is allocated"
+    );
+    assert_eq!(values(&view), vec![2.0, 4.0]);
+    drop((view, shared));
+    home.join();
+    assert_nothing_held(&c);
+}
+
+/// A thread that queued work and then blocked (a producer waiting on its channel, an idle rayon
+/// worker) kept it queued, with every buffer it reads, until its next call into the engine:
+/// `EngineStats::is_quiescent` stayed false for as long as the thread idled. The engine's
+/// service thread now runs such a queue once the thread has recorded nothing for
+/// `EngineConfig::max_idle_delay`.
+#[test]
+fn work_queued_by_a_thread_that_went_idle_runs_within_the_bound() {
+    let c = FusionClient::<HostRuntime>::with_config(
+        HostDevice::default(),
+        lazy_config().with_max_idle_delay(Duration::from_millis(20)),
+    )
+    .unwrap();
+    let home = Peer::spawn();
+    let c2 = c.clone();
+    home.run(move || {
+        let a = f32s(&c2, &[1.0, 2.0]);
+        let b = a.scale(2.0).unwrap();
+        drop((a, b)); // a scale and two drops, queued; nothing else
+    });
+    // The home thread is blocked on its job queue: it will not call into the engine again.
+    eventually(
+        Duration::from_secs(20),
+        "an idle thread's queue runs",
+        || c.stats().pending_ops == 0,
+    );
+    let stats = c.stats();
+    assert!(stats.idle_flushes >= 1, "{stats:?}");
+    settle(&c);
+    assert!(c.stats().is_quiescent(), "{:?}", c.stats());
+    assert_eq!(host(&c).live_buffers(), 0);
+    home.join();
+}

@@ -73,14 +73,16 @@ pub fn engine_config_from_env() -> Option<fusion_streams::EngineConfig> {
     Some(config)
 }
 
-/// `FUSION_STREAMS_BENCH_BATCH_RUNNER=off`: `StreamFusion<B>` runs every batch of queued
-/// operations on the thread that drains it (`register_batch_runner::<B>(None)`), where
-/// burn-ndarray's default hands a batch holding a matmul to rayon's pool in one trip. Call
-/// before `B`'s first use; says whether it was asked.
-pub fn batch_runner_from_env<B: fusion_streams::backend::IrBackend>() -> bool {
-    let off = std::env::var("FUSION_STREAMS_BENCH_BATCH_RUNNER").is_ok_and(|v| v == "off");
+/// `FUSION_STREAMS_BENCH_BATCH_POOL=off`: `StreamFusion<B>` runs every batch of queued
+/// operations on the thread that drains it (`BatchPlacement::InPlace`), where burn-ndarray's
+/// default hands a batch holding a matmul to the engine's batch pool in one trip (a comparison
+/// only: in place, a batch can wait under its stream's lock for rayon's workers). Call before
+/// `B`'s first use; says whether it was asked.
+pub fn batch_placement_from_env<B: fusion_streams::backend::IrBackend>() -> bool {
+    let off = std::env::var("FUSION_STREAMS_BENCH_BATCH_POOL").is_ok_and(|v| v == "off");
     if off {
-        fusion_streams::backend::register_batch_runner::<B>(None);
+        use fusion_streams::backend::{BatchPlacement, set_batch_placement};
+        set_batch_placement::<B>(BatchPlacement::InPlace);
     }
     off
 }

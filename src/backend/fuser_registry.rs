@@ -18,7 +18,7 @@ use burn_backend::tensor::FloatTensor;
 
 use super::BackendRuntime;
 use super::IrBackend;
-use crate::runtime::{BatchRunner, Fuser};
+use crate::runtime::{BatchPlacement, Fuser};
 
 /// A type-erased factory: the backend's device in, a boxed `Box<dyn Fuser<BackendRuntime<B>>>`
 /// out.
@@ -130,56 +130,45 @@ pub(crate) fn softmax_for<B: IrBackend>() -> Option<SoftmaxKernel<B>> {
         .copied()
 }
 
-/// The batch runners registered with [`register_batch_runner`], by `TypeId::of::<B>()`; `None`
-/// where one was taken back.
-fn batch_runner_registry() -> &'static RwLock<HashMap<TypeId, Option<BatchRunner>>> {
-    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Option<BatchRunner>>>> = OnceLock::new();
+/// The placements set with [`set_batch_placement`], by `TypeId::of::<B>()`.
+fn batch_placement_registry() -> &'static RwLock<HashMap<TypeId, BatchPlacement>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, BatchPlacement>>> = OnceLock::new();
     REGISTRY.get_or_init(|| RwLock::new(HashMap::new()))
 }
 
-/// Run `batch` inside [`rayon::scope`]: on the calling thread when it is a worker of a rayon
-/// pool, on a worker of rayon's global pool otherwise. A [`BatchRunner`] for backends that
-/// parallelise through rayon, burn-ndarray's default.
-///
-/// From a thread outside rayon's pools, each of burn-ndarray's parallel operations (a matmul,
-/// say) is one trip into the global pool: the job is queued, a worker picks it up, and the
-/// calling thread sleeps until it is done, a few microseconds each way. Run as one job, a batch
-/// makes the trip once, and its parallel operations start from a worker, which runs them in
-/// place.
-pub fn rayon_scope(batch: &mut (dyn FnMut() + Send)) {
-    rayon::scope(|_| batch());
-}
-
-/// Make the streams of `StreamFusion<B>` that do not fuse run each batch of queued operations
-/// that holds one spreading over `B`'s thread pool (a matmul, a convolution, a pooling, an
-/// interpolation, an attention) through `runner`, for the engines opened after this call;
-/// `None` runs every batch on the thread that drains the queue.
+/// Set where the streams of `StreamFusion<B>` that do not fuse run each batch of queued
+/// operations that holds one spreading over `B`'s thread pool (a matmul, a convolution, a
+/// pooling, an interpolation, an attention), for the engines opened after this call.
 ///
 /// Without a call, a burn-ndarray backend (one whose type path starts with `burn_ndarray::`)
-/// runs them through [`rayon_scope`], and any other backend on the draining thread. A
-/// burn-ndarray built without its `multi-threads` feature parallelises nothing, and should be
-/// given `None`.
+/// runs them on the engine's batch pool ([`BatchPlacement::BatchPool`]), and any other backend
+/// in place. Only a backend that runs nothing on a thread pool may run them in place: a
+/// burn-ndarray built without its `multi-threads` feature, say, which then saves a trip to the
+/// pool per batch.
 ///
 /// ```
 /// use burn_ndarray::NdArray;
-/// use fusion_streams::backend::{rayon_scope, register_batch_runner};
+/// use fusion_streams::backend::{BatchPlacement, set_batch_placement};
 ///
-/// // burn-ndarray's default, said explicitly; `None` would run every batch in place.
-/// register_batch_runner::<NdArray<f32>>(Some(rayon_scope));
+/// // burn-ndarray's default, said explicitly.
+/// set_batch_placement::<NdArray<f32>>(BatchPlacement::BatchPool);
 /// ```
-pub fn register_batch_runner<B: IrBackend>(runner: Option<BatchRunner>) {
-    batch_runner_registry()
+pub fn set_batch_placement<B: IrBackend>(placement: BatchPlacement) {
+    batch_placement_registry()
         .write()
-        .insert(TypeId::of::<B>(), runner);
+        .insert(TypeId::of::<B>(), placement);
 }
 
-/// The batch runner of `B`: the registered one, else [`rayon_scope`] for burn-ndarray.
-pub(crate) fn batch_runner_for<B: IrBackend>() -> Option<BatchRunner> {
-    if let Some(registered) = batch_runner_registry().read().get(&TypeId::of::<B>()) {
-        return *registered;
+/// Where `B`'s batches run: the placement set for it, else the batch pool for burn-ndarray.
+pub(crate) fn batch_placement_for<B: IrBackend>() -> BatchPlacement {
+    if let Some(set) = batch_placement_registry().read().get(&TypeId::of::<B>()) {
+        return *set;
     }
-    let ndarray = std::any::type_name::<B>().starts_with("burn_ndarray::");
-    ndarray.then_some(rayon_scope as BatchRunner)
+    if std::any::type_name::<B>().starts_with("burn_ndarray::") {
+        BatchPlacement::BatchPool
+    } else {
+        BatchPlacement::InPlace
+    }
 }
 
 fn insert<B: IrBackend>(

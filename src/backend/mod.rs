@@ -67,7 +67,7 @@ use burn_ir::{BackendIr, TensorHandle};
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-pub use crate::runtime::BatchRunner;
+pub use crate::runtime::BatchPlacement;
 #[cfg(feature = "cuda")]
 pub use cube::softmax as cube_softmax;
 #[cfg(feature = "cuda")]
@@ -76,8 +76,7 @@ pub use cube::{
     MIN_ELEMENTWISE_OPS_ENV, cube_fuser, cube_fuser_with,
 };
 pub use fuser_registry::{
-    SoftmaxKernel, SoftmaxKind, rayon_scope, register_batch_runner, register_fuser,
-    register_softmax,
+    SoftmaxKernel, SoftmaxKind, register_fuser, register_softmax, set_batch_placement,
 };
 pub use publication_routes::{BackendEvent, BackendSource};
 pub use record::Tensor;
@@ -299,10 +298,12 @@ impl<B: IrBackend> Backend for StreamFusion<B> {
         B::seed(device, seed);
     }
 
+    /// Device-wide, as burn means it: every thread's queued work runs (an idle thread's too:
+    /// a rayon worker's, say), and then the device finishes everything dispatched to it.
     fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
-        let client = Self::client(device);
-        client.drain();
-        crate::stream::on_execution_stream(|| B::sync(device))
+        Self::client(device)
+            .sync_device()
+            .map_err(runtime::to_execution_error)
     }
 
     fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {

@@ -23,7 +23,9 @@ use super::publication_routes::RETIREMENT_CAPACITY;
 
 use crate::host::Unfused;
 use crate::runtime::host::worker::Workers;
-use crate::runtime::{BatchRunner, Kernel, KernelInputs, Retired, RetirementQueue, StreamRuntime};
+use crate::runtime::{
+    BatchPlacement, Kernel, KernelInputs, Retired, RetirementQueue, StreamRuntime,
+};
 use crate::{Error, Result};
 
 /// The engine's runtime over the burn backend `B`: its handles are `B`'s own handles, an alias
@@ -57,8 +59,8 @@ pub struct BackendContext<B: IrBackend> {
     /// asks it per operation, see `ActivationOps::relu`).
     has_fuser: bool,
     /// Where a batch holding an operation that spreads over `B`'s thread pool runs (read once,
-    /// see [`register_batch_runner`](super::register_batch_runner)).
-    batch_runner: Option<BatchRunner>,
+    /// see [`set_batch_placement`](super::set_batch_placement)).
+    batch_placement: BatchPlacement,
     /// The softmax kernel registered for `B` when the device was opened (see
     /// [`register_softmax`](super::register_softmax)).
     softmax: Option<super::fuser_registry::SoftmaxKernel<B>>,
@@ -238,7 +240,7 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
             device: device.clone(),
             rules: rules_for::<B>(device),
             has_fuser: super::fuser_registry::has_fuser::<B>(),
-            batch_runner: super::fuser_registry::batch_runner_for::<B>(),
+            batch_placement: super::fuser_registry::batch_placement_for::<B>(),
             softmax: super::fuser_registry::softmax_for::<B>(),
             transfers: Workers::new(format!("publish{}", device.to_id().index_id)),
             #[cfg(feature = "cuda")]
@@ -247,8 +249,8 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
         })
     }
 
-    fn batch_runner(ctx: &BackendContext<B>) -> Option<BatchRunner> {
-        ctx.batch_runner
+    fn batch_placement(ctx: &BackendContext<B>) -> BatchPlacement {
+        ctx.batch_placement
     }
 
     fn upload(ctx: &BackendContext<B>, data: TensorData) -> Result<B::Handle> {
@@ -331,7 +333,16 @@ impl<B: IrBackend> StreamRuntime for BackendRuntime<B> {
     }
 
     fn synchronize(ctx: &BackendContext<B>) -> Result<()> {
-        // As a read: a backend whose device thread died panics here; contained.
+        // Every stream of the device: cubecl synchronises one stream per call, and each thread's
+        // work runs on its execution stream (`stream::exec`). As a read: a backend whose device
+        // thread died panics here; contained.
+        for stream in crate::stream::execution_streams() {
+            let sync = || stream.executes(|| B::sync(&ctx.device));
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(sync))
+                .map_err(|payload| Error::from_kernel_panic("sync", payload))?
+                .map_err(|e| execution_error("sync", e))?;
+        }
+        // And the calling thread's own stream, which is cubecl's current one outside the engine.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| B::sync(&ctx.device)))
             .map_err(|payload| Error::from_kernel_panic("sync", payload))?
             .map_err(|e| execution_error("sync", e))?;

@@ -423,6 +423,19 @@ impl<R: StreamRuntime> FusionClient<R> {
         crate::stream::on_execution_stream(|| R::synchronize(&self.inner.context))
     }
 
+    /// Run every stream's pending work, every thread's, and wait until the device has finished
+    /// everything dispatched to it: what burn's `Backend::sync` does on
+    /// [`StreamFusion`](crate::backend::StreamFusion). Afterwards the engine holds only what
+    /// live tensors hold ([`EngineStats::is_quiescent`](crate::EngineStats::is_quiescent) once
+    /// every tensor is dropped), whatever threads queued work and went idle.
+    ///
+    /// Errors as [`FusionClient::sync`].
+    pub fn sync_device(&self) -> Result<()> {
+        Self::refuse_reentry("FusionClient::sync_device")?;
+        self.inner.streams.drain_all();
+        crate::stream::on_execution_stream(|| R::synchronize(&self.inner.context))
+    }
+
     /// Start a custom operation named `name` (recorded as a burn [`CustomOpIr`]).
     pub fn op(&self, name: impl Into<Cow<'static, str>>) -> OpBuilder<'_, R> {
         OpBuilder {

@@ -145,8 +145,9 @@ pub(crate) trait OpBody<R: StreamRuntime>: Send + Sync {
     }
     /// Whether its execution may spread over a thread pool of the backend's own (burn-ndarray's
     /// matmuls, convolutions and pooling run on rayon's): a queue's worth of operations holding
-    /// one runs where the runtime's [`batch_runner`](crate::runtime::StreamRuntime::batch_runner)
-    /// puts it. `false` by default.
+    /// one runs where the runtime's
+    /// [`batch_placement`](crate::runtime::StreamRuntime::batch_placement) puts it. `false` by
+    /// default.
     fn uses_thread_pool(&self) -> bool {
         false
     }

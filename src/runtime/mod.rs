@@ -110,11 +110,22 @@ pub fn first_input_reusable<R: StreamRuntime>(
     })
 }
 
-/// A way to run a batch of queued operations: call `batch` once, on any thread, and return
-/// after it has returned (see [`StreamRuntime::batch_runner`]). A panic out of `batch` must reach
-/// the caller. The engine holds a runner to no more: a second call does nothing, and a batch the
-/// runner returned without running runs on the draining thread.
-pub type BatchRunner = fn(batch: &mut (dyn FnMut() + Send));
+/// Where a stream that does not fuse runs a batch of queued operations holding one that spreads
+/// over the backend's thread pool (see [`StreamRuntime::batch_placement`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BatchPlacement {
+    /// On the thread that drains the queue, like any other batch: for a backend whose
+    /// operations run nothing on a thread pool.
+    InPlace,
+    /// Whole, on the engine's batch pool, a rayon pool whose threads run nothing but the
+    /// engine's batches; the draining thread sleeps until the batch is done. For a backend that
+    /// runs operations through rayon (burn-ndarray): they then never wait for a thread that
+    /// may be waiting for the stream, and no job of the program's own pools ever runs inside a
+    /// drain. One trip to the pool per batch, where a plain backend called from a thread
+    /// outside rayon makes one per parallel operation.
+    BatchPool,
+}
 
 /// The inputs of one kernel launch (inline up to two: no allocation per launch).
 pub type KernelInputs<'a, H> = smallvec::SmallVec<[KernelInput<'a, H>; 2]>;
@@ -255,12 +266,15 @@ pub trait StreamRuntime: FusionRuntime {
 
     /// Where a stream that does not fuse runs a queue's worth of operations of which one or more
     /// spread over a thread pool of the backend's own (for `StreamFusion<B>`: a matmul, a
-    /// convolution, a pooling, an interpolation or an attention): the engine hands the whole
-    /// batch to the runner, from the thread that drains the queue, and the runner returns once
-    /// it has run. `None` (the default): on that thread, as any other batch.
-    fn batch_runner(ctx: &Self::Context) -> Option<BatchRunner> {
+    /// convolution, a pooling, an interpolation or an attention; see [`BatchPlacement`]).
+    /// [`BatchPlacement::InPlace`] by default.
+    ///
+    /// A runtime whose operations wait for a thread pool must answer
+    /// [`BatchPlacement::BatchPool`]: run in place, under the stream's lock, such an operation
+    /// can wait for a worker that waits for that lock.
+    fn batch_placement(ctx: &Self::Context) -> BatchPlacement {
         let _ = ctx;
-        None
+        BatchPlacement::InPlace
     }
 
     /// Dispatch `kernel` on the current stream ([`burn_backend::StreamId::current`]) and return the

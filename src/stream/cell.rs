@@ -7,11 +7,14 @@
 //! target stream's inbox instead of taking its lock.
 
 use std::cell::Cell;
+use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn_backend::StreamId;
 use burn_ir::TensorId;
 
+use super::detached::Detached;
 use super::inbox::{InboxGuard, InboxLock, Mailbox};
 use super::lane;
 use super::state::{Entry, StreamState};
@@ -32,9 +35,9 @@ pub(crate) fn in_engine() -> bool {
 }
 
 /// Counts the current thread as inside the engine until dropped, as if it held a stream lock:
-/// for a batch that a [`BatchRunner`](crate::runtime::BatchRunner) runs on another thread than
-/// the one holding the stream's lock, so that an operation calling back into the engine is
-/// refused there too.
+/// for a batch that runs on the engine's batch pool ([`super::batch_pool`]) while another thread
+/// holds the stream's lock, so that an operation calling back into the engine is refused there
+/// too.
 pub(crate) struct InEngine(());
 
 impl InEngine {
@@ -101,8 +104,40 @@ impl<R: StreamRuntime> Mailbox for StreamState<R> {
     }
 }
 
-/// Exclusive access to a stream's state. Applies the inbox on release.
-pub(crate) type StreamGuard<'a, R> = InboxGuard<'a, StreamState<R>>;
+/// Exclusive access to a stream's state. Applies the inbox on release; then, with the lock let
+/// go, runs the batch the holder detached, if it did ([`super::detached`]): every execution of a
+/// batch for the batch pool happens here, whoever asked for it and wherever in the engine.
+pub(crate) struct StreamGuard<'a, R: StreamRuntime> {
+    guard: ManuallyDrop<InboxGuard<'a, StreamState<R>>>,
+    cell: &'a StreamCell<R>,
+}
+
+impl<R: StreamRuntime> Deref for StreamGuard<'_, R> {
+    type Target = StreamState<R>;
+    #[inline(always)]
+    fn deref(&self) -> &StreamState<R> {
+        &self.guard
+    }
+}
+
+impl<R: StreamRuntime> DerefMut for StreamGuard<'_, R> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut StreamState<R> {
+        &mut self.guard
+    }
+}
+
+impl<R: StreamRuntime> Drop for StreamGuard<'_, R> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        let detached = self.guard.detached.take();
+        // SAFETY: `guard` is dropped exactly once, here, and never used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.guard) };
+        if let Some(batch) = detached {
+            self.cell.run_detached(batch);
+        }
+    }
+}
 
 /// The most records a stream's lane holds (when the queue bound is larger, the stream's thread
 /// takes the lock more often than the bound asks). A stream that fuses gets one slot, never
@@ -125,6 +160,17 @@ pub(crate) struct StreamCell<R: StreamRuntime> {
     pending: AtomicUsize,
     /// The most it may hand over in a row: the queue bound (`EngineConfig::max_queue_len`).
     max_pending: usize,
+    /// Where threads wait for a batch of this stream running detached to finish.
+    idle: Idle,
+}
+
+/// How many of a stream's detached batches have finished, and the condition their waiters wait
+/// on ([`StreamCell::lock_idle`]); a batch's end is counted after its merge, with the stream's
+/// lock released.
+#[derive(Default)]
+struct Idle {
+    finished: parking_lot::Mutex<u64>,
+    done: parking_lot::Condvar,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
@@ -143,6 +189,7 @@ impl<R: StreamRuntime> StreamCell<R> {
             max_pending: state.max_queue_len,
             state: InboxLock::new(state, lane_len),
             pending: AtomicUsize::new(0),
+            idle: Idle::default(),
         }
     }
 
@@ -194,9 +241,18 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// check [`in_engine`] first).
     #[inline]
     pub(crate) fn lock(&self) -> StreamGuard<'_, R> {
-        match self.state.try_lock() {
+        let guard = match self.state.try_lock() {
             Some(guard) => guard,
             None => self.lock_held(),
+        };
+        self.guarded(guard)
+    }
+
+    #[inline(always)]
+    fn guarded<'a>(&'a self, guard: InboxGuard<'a, StreamState<R>>) -> StreamGuard<'a, R> {
+        StreamGuard {
+            guard: ManuallyDrop::new(guard),
+            cell: self,
         }
     }
 
@@ -204,7 +260,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// [`crate::profile::Section::Lock`] times.
     #[cold]
     #[inline(never)]
-    fn lock_held(&self) -> StreamGuard<'_, R> {
+    fn lock_held(&self) -> InboxGuard<'_, StreamState<R>> {
         let _timer = crate::profile::time(crate::profile::Section::Lock);
         self.state.lock()
     }
@@ -212,7 +268,56 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// Take the stream's lock if it is free (inspection from inside the engine, which must never
     /// wait for a stream lock).
     pub(crate) fn try_lock(&self) -> Option<StreamGuard<'_, R>> {
-        self.state.try_lock()
+        self.state.try_lock().map(|guard| self.guarded(guard))
+    }
+
+    /// Take the stream's lock once no batch of it runs detached ([`super::detached`]): for
+    /// whatever executes the queue (a drain, a share or read that may drain), since what is
+    /// queued behind a running batch may read its outputs. The wait is without the lock.
+    pub(crate) fn lock_idle(&self) -> StreamGuard<'_, R> {
+        loop {
+            let state = self.lock();
+            if state.running.is_none() {
+                return state;
+            }
+            let finished = *self.idle.finished.lock();
+            drop(state);
+            self.wait_idle(finished);
+        }
+    }
+
+    /// Wait until a batch of this stream finishes after the `finished`-th did.
+    #[cold]
+    fn wait_idle(&self, finished: u64) {
+        let _timer = crate::profile::time(crate::profile::Section::Lock);
+        let mut count = self.idle.finished.lock();
+        while *count == finished {
+            self.idle.done.wait(&mut count);
+        }
+    }
+
+    /// `state`, with the batch its holder detached run and merged first, if it did: the lock
+    /// again, idle. For a caller that reads what the drain it just made produced.
+    pub(crate) fn settled<'a>(&'a self, mut state: StreamGuard<'a, R>) -> StreamGuard<'a, R> {
+        let Some(batch) = state.detached.take() else {
+            return state;
+        };
+        drop(state);
+        self.run_detached(batch);
+        self.lock_idle()
+    }
+
+    /// Run a batch detached from this stream by the calling thread, which has let go of the lock,
+    /// and merge it back ([`super::detached`], steps 2 and 3).
+    pub(crate) fn run_detached(&self, batch: Detached<R>) {
+        let Detached { ops, mut scratch } = batch;
+        scratch.execute_detached(ops);
+        self.lock().merge(&mut scratch);
+        // What is left of the scratch state (second owners of what the batch read) goes after
+        // the lock.
+        drop(scratch);
+        *self.idle.finished.lock() += 1;
+        self.idle.done.notify_all();
     }
 
     /// Hand `message` to this stream without blocking; see [`super::inbox`].

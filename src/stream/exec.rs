@@ -99,6 +99,13 @@ fn take() -> StreamId {
     StreamId { value }
 }
 
+/// Every execution stream handed out so far (they are recycled, so as many as threads have had
+/// one at once): what a wait for the whole device waits for, on a backend whose streams are
+/// synchronised one by one.
+pub(crate) fn execution_streams() -> impl Iterator<Item = StreamId> {
+    (EXEC_BASE..NEXT_EXEC.load(Ordering::Relaxed)).map(|value| StreamId { value })
+}
+
 /// Give this thread's execution id back for a later thread (from the thread's exit hooks, after
 /// its exit drain). The thread keeps using it for whatever its last destructors do (see "Sharing
 /// an execution stream is safe").

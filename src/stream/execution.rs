@@ -139,66 +139,119 @@ impl<R: StreamRuntime> StreamState<R> {
             "an eager run executes everything it is given"
         );
         self.queue = tail;
+        self.free_unread_drops();
         // After the tail is back: a deferred free must still wait for the readers queued there.
         self.retry_deferred_frees();
     }
 
-    fn run_queue(&mut self, lazy: bool) {
-        if !self.queue.is_empty() {
-            let _timer = crate::profile::time(crate::profile::Section::Execute);
-            let mut ops = std::mem::take(&mut self.queue);
-            // Device work dispatched by the executors must land on this stream even when another
-            // thread is draining it (to share or read one of its tensors).
-            let fusing = self.fusing();
-            let (id, exec) = (self.id, self.exec);
-            // Out of `self` while the permit borrows it (the execution needs `self` whole); an
-            // unwind leaves the stream ungated, never a permit held.
-            let gate = self.gate.take();
-            let permit = super::gate::enter(gate.as_deref());
-            // A batch with an operation that spreads over the backend's thread pool goes to the
-            // runtime's batch runner, whole (see `run_through`).
-            let runner = if fusing { None } else { self.batch_runner };
-            let runner = runner.filter(|_| ops.iter().any(QueuedOp::uses_thread_pool));
-            let mut run = || {
-                super::exec::executes(id, exec, || match self.fuser.take() {
-                    Some(mut fuser) if fusing => {
-                        self.execute_fusing(&mut ops, &mut *fuser, lazy);
-                        self.fuser = Some(fuser);
-                    }
-                    mut fuser => {
-                        // Fusion was switched off with a run planned: forget the plan.
-                        if let Some(fuser) = &mut fuser
-                            && self.plan.scanned > 0
-                        {
-                            fuser.reset();
-                        }
-                        self.plan.clear();
-                        // The thread's kept blocks at hand for the batch's bodies (see
-                        // `pool::lend`); on an unwind they are freed with `kept`.
-                        let mut kept = crate::operation::pool::lend();
-                        for op in ops.drain(..) {
-                            self.execute_entry_keeping(op, Some(&mut kept));
-                        }
-                        crate::operation::pool::put_back(kept);
-                        self.fuser = fuser;
-                    }
-                })
-            };
-            match runner {
-                Some(runner) => run_through(runner, &mut run),
-                None => run(),
+    /// Free now the home thread's drops left queued behind a drain that ran only part of the
+    /// queue (another thread's share or read), when nothing queued or running reads their id: a
+    /// home thread that goes idle then holds no buffer it dropped. A drop whose id a queued
+    /// operation still reads stays in place, where a fuser sees it as the end of that tensor
+    /// (and an idle thread's queue is run by the service thread's sweep). Nothing queued after
+    /// a drop names its id, so freeing it early changes no result.
+    fn free_unread_drops(&mut self) {
+        if !self
+            .queue
+            .iter()
+            .any(|entry| matches!(entry, QueuedOp::Drop(_)))
+        {
+            return;
+        }
+        let mut unread = Vec::new();
+        for (at, entry) in self.queue.iter().enumerate() {
+            if let QueuedOp::Drop(id) = entry
+                && !self.queue_references(*id)
+            {
+                unread.push((at, *id));
             }
-            drop(permit);
-            self.gate = gate;
-            // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
-            // empty: give it back what is left (an open run) and its allocation.
-            debug_assert!(self.queue.is_empty());
-            self.queue = ops;
-            self.new_stamp();
+        }
+        for (at, id) in unread.into_iter().rev() {
+            self.queue.remove(at);
+            self.free(id);
         }
     }
 
-    fn retry_deferred_frees(&mut self) {
+    fn run_queue(&mut self, lazy: bool) {
+        if self.queue.is_empty() {
+            return;
+        }
+        if self.running.is_some() {
+            // A batch of this stream runs detached: what is queued behind it may read its
+            // outputs, so it runs after the merge (a drain waits for that first:
+            // `StreamCell::lock_idle`; a full queue runs at its next bound).
+            debug_assert!(lazy, "a drain of a stream whose batch runs detached");
+            return;
+        }
+        let fusing = self.fusing();
+        if !fusing && self.batch_pool && self.queue.iter().any(QueuedOp::uses_thread_pool) {
+            // A batch with an operation that spreads over the backend's thread pool runs on the
+            // engine's batch pool, whole, without the lock (see `super::detached`).
+            self.forget_plan();
+            let ops = std::mem::take(&mut self.queue);
+            return self.detach(ops);
+        }
+        let _timer = crate::profile::time(crate::profile::Section::Execute);
+        let mut ops = std::mem::take(&mut self.queue);
+        // Device work dispatched by the executors must land on this stream even when another
+        // thread is draining it (to share or read one of its tensors).
+        let (id, exec) = (self.id, self.exec);
+        // Out of `self` while the permit borrows it (the execution needs `self` whole); an
+        // unwind leaves the stream ungated, never a permit held.
+        let gate = self.gate.take();
+        let permit = super::gate::enter(gate.as_deref());
+        super::exec::executes(id, exec, || match self.fuser.take() {
+            Some(mut fuser) if fusing => {
+                self.execute_fusing(&mut ops, &mut *fuser, lazy);
+                self.fuser = Some(fuser);
+            }
+            fuser => {
+                self.fuser = fuser;
+                self.forget_plan();
+                self.execute_in_place(ops.drain(..));
+            }
+        });
+        drop(permit);
+        self.gate = gate;
+        // Executors cannot enqueue (re-entrant calls are refused), so the queue is still
+        // empty: give it back what is left (an open run) and its allocation.
+        debug_assert!(self.queue.is_empty());
+        self.queue = ops;
+        self.new_stamp();
+    }
+
+    /// Fusion was switched off with a run planned, or the queue goes to the batch pool: forget
+    /// the plan.
+    fn forget_plan(&mut self) {
+        if let Some(fuser) = &mut self.fuser
+            && self.plan.scanned > 0
+        {
+            fuser.reset();
+        }
+        self.plan.clear();
+    }
+
+    /// Execute `ops` one by one, without fusion, with the thread's kept blocks at hand for their
+    /// bodies (see `pool::lend`; on an unwind they are freed with `kept`).
+    fn execute_in_place(&mut self, ops: impl Iterator<Item = QueuedOp<R>>) {
+        let mut kept = crate::operation::pool::lend();
+        for op in ops {
+            self.execute_entry_keeping(op, Some(&mut kept));
+        }
+        crate::operation::pool::put_back(kept);
+    }
+
+    /// Run a detached batch (see [`super::detached`]) against this state, its scratch state, on
+    /// the engine's batch pool; the calling thread holds no stream lock, and waits.
+    pub(crate) fn execute_detached(&mut self, mut ops: VecDeque<QueuedOp<R>>) {
+        let _timer = crate::profile::time(crate::profile::Section::Execute);
+        let (id, exec) = (self.id, self.exec);
+        run_on_batch_pool(&mut || {
+            super::exec::executes(id, exec, || self.execute_in_place(ops.drain(..)))
+        });
+    }
+
+    pub(crate) fn retry_deferred_frees(&mut self) {
         // A deferred free waits for every queued reader; an open run left queued may be one.
         for id in std::mem::take(&mut self.deferred_frees) {
             if self.queue_references(id) {
@@ -696,29 +749,28 @@ impl<R: StreamRuntime> StreamState<R> {
     }
 }
 
-/// Run `batch` (a stream's execution, under the lock this thread holds) through `runner`, which
-/// may run it on another thread, where it stays as much inside the engine as here: an operation
-/// calling back into the engine is refused ([`super::cell::InEngine`]), and the bodies it frees
-/// go to this thread's kept blocks, from which this thread boxes the next ones
+/// Run `batch` (a detached batch's execution) on the engine's batch pool
+/// ([`super::batch_pool`]), where it is inside the engine as a drain under the lock is: an
+/// operation calling back into the engine is refused ([`super::cell::InEngine`]), and the bodies
+/// it frees go to this thread's kept blocks, from which this thread boxes the next ones
 /// ([`crate::operation::pool::lend`]). The stream's identity there is `executes`' (inside
 /// `batch`), which answers [`super::exec::current_stream`] with the stream being executed.
 ///
-/// The batch runs once whatever the runner does: a second call of it does nothing, and a
-/// runner that returns without calling it has it run here.
-fn run_through(runner: crate::runtime::BatchRunner, batch: &mut (dyn FnMut() + Send)) {
+/// Every operation of a batch runs in its own error scope, so nothing unwinds out of it unless
+/// the engine itself is broken; if it does, the payload is dropped here (the operations not run
+/// are dropped unrun, and a read of their outputs reports a missing handle) rather than resumed
+/// on a thread that may be letting go of a lock.
+fn run_on_batch_pool(batch: &mut (dyn FnMut() + Send)) {
     use crate::operation::pool;
     let mut lent = pool::lend();
-    let mut ran = false;
-    runner(&mut || {
-        if !std::mem::replace(&mut ran, true) {
-            let _inside = super::cell::InEngine::enter();
-            pool::with_lent(&mut lent, &mut *batch);
-        }
+    let outcome = super::batch_pool::run(&mut || {
+        let _inside = super::cell::InEngine::enter();
+        pool::with_lent(&mut lent, &mut *batch);
     });
     pool::put_back(lent);
-    if !ran {
-        tracing::warn!("a batch runner returned without running its batch; ran it in place");
-        batch();
+    if let Err(payload) = outcome {
+        tracing::error!("a batch unwound out of its error scopes");
+        crate::error::drop_payload(payload);
     }
 }
 

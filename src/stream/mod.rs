@@ -1,6 +1,8 @@
 //! The multi-stream engine: per-thread lazy queues, shared views, foreign drops.
 
+mod batch_pool;
 mod cell;
+mod detached;
 mod exec;
 mod execution;
 mod gate;
@@ -20,7 +22,9 @@ use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock};
 
 pub(crate) use cell::{InboxMessage, StreamCell, StreamGuard, in_engine};
-pub(crate) use exec::{current_stream, executes, execution_stream, on_execution_stream};
+pub(crate) use exec::{
+    current_stream, executes, execution_stream, execution_streams, on_execution_stream,
+};
 pub(crate) use gate::enter as enter_gate;
 use service::EngineHook;
 pub(crate) use state::{Entry, StreamCounters, StreamState};
@@ -123,6 +127,13 @@ pub struct EngineConfig {
     /// itself: the bound on how long an idle home thread can hold a dropped buffer, plus the
     /// service thread's scheduling latency. Default 10 ms.
     pub max_deferred_free_delay: Duration,
+    /// How long a thread may leave work queued on its stream without calling into the engine
+    /// before the engine's service thread runs that work itself: the bound on how long a thread
+    /// that went idle (a producer blocked on its channel, an idle rayon worker) holds queued
+    /// work and the buffers it reads. The service thread looks at every stream this often, and
+    /// runs a queue that was there, unchanged, the time before: so within about twice this
+    /// delay. Default 50 ms; `Duration::MAX` never.
+    pub max_idle_delay: Duration,
     /// Whether streams fuse their queued operations into fewer kernels where the runtime can
     /// (see [`crate::runtime::Fuser`]). Default on; a runtime that does not fuse ignores it.
     pub fusion: bool,
@@ -156,6 +167,7 @@ impl Default for EngineConfig {
         Self {
             max_queue_len: 32,
             max_deferred_free_delay: Duration::from_millis(10),
+            max_idle_delay: Duration::from_millis(50),
             fusion: true,
             max_fused_len: 512,
             dispatch_closed_runs: true,
@@ -201,6 +213,13 @@ impl EngineConfig {
     /// [`EngineConfig::max_deferred_free_delay`]).
     pub fn with_max_deferred_free_delay(mut self, delay: Duration) -> Self {
         self.max_deferred_free_delay = delay;
+        self
+    }
+
+    /// Settings with the given bound on work an idle thread leaves queued (see
+    /// [`EngineConfig::max_idle_delay`]).
+    pub fn with_max_idle_delay(mut self, delay: Duration) -> Self {
+        self.max_idle_delay = delay;
         self
     }
 }
@@ -258,6 +277,9 @@ pub struct EngineStats {
     /// Pending segments the service thread ran because a deferred free reached
     /// [`EngineConfig::max_deferred_free_delay`] with its home thread idle.
     pub deferred_flushes: u64,
+    /// Queues the service thread ran because their thread had recorded nothing for
+    /// [`EngineConfig::max_idle_delay`] with work queued.
+    pub idle_flushes: u64,
     /// Fused kernels launched (each covers a run of queued operations).
     pub fused_kernels: u64,
     /// Operations executed inside fused kernels (counted in `ops_executed` too).
@@ -305,6 +327,7 @@ impl EngineStats {
         self.deferred_frees += c.deferred_frees;
         self.frees += c.frees;
         self.deferred_flushes += c.deferred_flushes;
+        self.idle_flushes += c.idle_flushes;
         self.fused_kernels += c.fused_kernels;
         self.ops_fused += c.ops_fused;
         self.cut_runs_unfused += c.cut_runs_unfused;
@@ -466,7 +489,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             .or_else(|| R::launching_threads(&context))
             .filter(|&n| n != usize::MAX);
         let gate = launching.map(|n| Arc::new(gate::LaunchGate::new(n)));
-        Arc::new_cyclic(|this| Self {
+        let engine = Arc::new_cyclic(|this| Self {
             key: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             context,
             config: EngineConfig {
@@ -479,7 +502,9 @@ impl<R: StreamRuntime> MultiStream<R> {
             fusion: Arc::new(AtomicBool::new(config.fusion)),
             gate,
             this: this.clone(),
-        })
+        });
+        service::sweep_every(config.max_idle_delay, engine.hook());
+        engine
     }
 
     /// The engine's settings (with [`EngineConfig::fusion`] as it is now, and
@@ -591,17 +616,26 @@ impl<R: StreamRuntime> MultiStream<R> {
         home: &'a Arc<StreamCell<R>>,
         id: &TensorId,
     ) -> (StreamGuard<'a, R>, bool) {
-        let mut state = home.lock();
-        if !local::exiting() {
-            let drained = state.materialise(id);
-            return (state, drained);
+        if local::exiting() {
+            let state = home.lock_idle();
+            if state.is_materialised(id) || state.queue.is_empty() {
+                return (state, false);
+            }
+            drop(state);
+            service::drain(self.hook(), home.id);
+            return (home.lock_idle(), true);
         }
-        if state.is_materialised(id) || state.queue.is_empty() {
+        let mut state = home.lock();
+        if state.is_materialised(id) {
+            // A tensor the stream holds is shared at once, even while a batch runs detached.
             return (state, false);
         }
-        drop(state);
-        service::drain(self.hook(), home.id);
-        (home.lock(), true)
+        if state.running.is_some() {
+            drop(state);
+            state = home.lock_idle();
+        }
+        let drained = state.materialise(id);
+        (home.settled(state), drained)
     }
 
     /// The stream an operation this thread records goes to: `home` (an operand's home stream)
@@ -747,7 +781,7 @@ impl<R: StreamRuntime> MultiStream<R> {
         }
         let cell = self.streams.read().get(&id).cloned();
         if let Some(cell) = cell {
-            cell.lock().drain_here();
+            cell.lock_idle().drain_here();
         }
     }
 
@@ -760,7 +794,7 @@ impl<R: StreamRuntime> MultiStream<R> {
             if local::exiting() {
                 service::drain(self.hook(), cell.id);
             } else {
-                cell.lock().drain_here();
+                cell.lock_idle().drain_here();
             }
         }
     }
@@ -1026,7 +1060,7 @@ impl<R: StreamRuntime> MultiStream<R> {
                 continue;
             }
             stats.streams += 1;
-            stats.pending_ops += state.queue.len();
+            stats.pending_ops += state.queue.len() + state.running.as_ref().map_or(0, |r| r.len);
             stats.live_handles += state.handles.num_handles();
             stats.error_records += state.errors.len();
             stats.shared_sources += state.shared_sources.len();
@@ -1047,11 +1081,12 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         let Some(cell) = self.streams.read().get(&stream).cloned() else {
             return;
         };
-        let mut state = cell.lock();
+        let mut state = cell.lock_idle();
         if state.retired {
             return;
         }
         state.drain_for_service();
+        let mut state = cell.settled(state);
         state.orphaned = true;
         state.retire_if_orphan_empty();
     }
@@ -1060,16 +1095,32 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         let Some(cell) = self.streams.read().get(&stream).cloned() else {
             return;
         };
-        let mut state = cell.lock();
+        let mut state = cell.lock_idle();
         state.drain_for_service();
-        state.retire_if_orphan_empty();
+        cell.settled(state).retire_if_orphan_empty();
+    }
+
+    fn sweep_idle(&self) {
+        for cell in self.cells() {
+            // A stream whose lock is taken is in use: not idle.
+            let Some(mut state) = cell.try_lock() else {
+                continue;
+            };
+            if !state.idle_since_last_sweep() {
+                continue;
+            }
+            state.counters.idle_flushes += 1;
+            tracing::debug!(stream = %cell.id, ops = state.queue.len(), "an idle thread's queue: the service thread runs it");
+            state.drain_for_service();
+            cell.settled(state).retire_if_orphan_empty();
+        }
     }
 
     fn flush_deferred(&self, stream: StreamId) {
         let Some(cell) = self.streams.read().get(&stream).cloned() else {
             return;
         };
-        let mut state = cell.lock();
+        let mut state = cell.lock_idle();
         state.flush_scheduled = false;
         if state.retired || state.deferred_frees.is_empty() {
             return;
@@ -1077,7 +1128,7 @@ impl<R: StreamRuntime> EngineHook for MultiStream<R> {
         state.counters.deferred_flushes += 1;
         tracing::debug!(%stream, "deferred free outlived its bound: the service thread runs the stream");
         state.drain_for_service();
-        state.retire_if_orphan_empty();
+        cell.settled(state).retire_if_orphan_empty();
     }
 }
 

@@ -18,6 +18,12 @@
 //!    so the deferral also schedules a deadline here; if the free is still pending then, this
 //!    thread runs the home stream's pending segment (dispatch only, as a share from another
 //!    thread would). That bounds how long a dropped buffer can be held by an idle thread.
+//! 3. **Sweeps of idle streams.** Every `EngineConfig::max_idle_delay`, while an engine lives,
+//!    this thread looks at each of its streams whose lock is free; a queue that was already
+//!    there at the last sweep, with nothing recorded or run since, belongs to a thread that has
+//!    gone idle, and this thread runs it. So no thread holds queued work, or the buffers it
+//!    reads, for long by going quiet: rayon's workers never exit, and a producer may block on
+//!    its channel for good.
 //!
 //! Every job runs contained: a failing drain takes neither this thread nor a waiting thread down
 //! (its operations' errors are recorded on their tensors anyway).
@@ -26,7 +32,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn_backend::StreamId;
 use parking_lot::{Condvar, Mutex};
@@ -41,6 +47,9 @@ pub(crate) trait EngineHook: Send + Sync {
     /// A deferred free on `stream` reached its deadline: run the pending segment if a deferred
     /// free is still waiting for it.
     fn flush_deferred(&self, stream: StreamId);
+    /// Run the queues of streams whose thread has gone idle with work queued (see
+    /// `EngineConfig::max_idle_delay`).
+    fn sweep_idle(&self);
 }
 
 /// A one-shot signal.
@@ -81,7 +90,17 @@ struct Deadline {
     at: Instant,
     seq: u64,
     hook: Weak<dyn EngineHook>,
-    stream: StreamId,
+    what: Due,
+}
+
+/// What a deadline is for.
+#[derive(Clone, Copy)]
+enum Due {
+    /// A deferred free of this stream (`EngineHook::flush_deferred`).
+    Flush(StreamId),
+    /// The engine's sweep of idle streams, every this often while the engine lives
+    /// (`EngineHook::sweep_idle`).
+    Sweep(Duration),
 }
 
 impl PartialEq for Deadline {
@@ -138,25 +157,59 @@ impl Service {
         }
     }
 
+    /// Add a deadline; wakes the service thread if it is the earliest.
+    fn schedule(&self, at: Instant, hook: Weak<dyn EngineHook>, what: Due) {
+        let mut jobs = self.jobs.lock();
+        jobs.seq += 1;
+        let seq = jobs.seq;
+        let earliest = jobs.deadlines.peek().is_none_or(|Reverse(d)| at < d.at);
+        jobs.deadlines.push(Reverse(Deadline {
+            at,
+            seq,
+            hook,
+            what,
+        }));
+        drop(jobs);
+        if earliest {
+            self.wake.notify_one();
+        }
+    }
+
     fn run(&self) {
         loop {
             match self.next() {
                 Job::Now(job) => {
                     if let Some(hook) = job.hook.upgrade() {
-                        let _ = catch_unwind(AssertUnwindSafe(|| match job.kind {
+                        contained(|| match job.kind {
                             ImmediateJob::Exit => hook.on_thread_exit(job.stream),
                             ImmediateJob::Drain => hook.drain_stream(job.stream),
-                        }));
+                        });
                     }
                     job.done.open();
                 }
                 Job::Due(due) => {
-                    if let Some(hook) = due.hook.upgrade() {
-                        let _ = catch_unwind(AssertUnwindSafe(|| hook.flush_deferred(due.stream)));
+                    let Some(hook) = due.hook.upgrade() else {
+                        continue;
+                    };
+                    match due.what {
+                        Due::Flush(stream) => contained(|| hook.flush_deferred(stream)),
+                        Due::Sweep(every) => {
+                            contained(|| hook.sweep_idle());
+                            drop(hook);
+                            self.schedule(Instant::now() + every, due.hook, due.what);
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+/// Run a job so that nothing it does can take the service thread down: a panic is caught, and its
+/// payload dropped where a panic of its own destructor is caught too.
+fn contained(job: impl FnOnce()) {
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(job)) {
+        crate::error::drop_payload(payload);
     }
 }
 
@@ -205,21 +258,18 @@ pub(crate) fn drain(hook: Weak<dyn EngineHook>, stream: StreamId) {
 
 /// Call `hook.flush_deferred(stream)` on the service thread at `at`. Never waits.
 pub(crate) fn flush_at(at: Instant, hook: Weak<dyn EngineHook>, stream: StreamId) {
-    let Some(service) = SERVICE.get() else {
+    if let Some(service) = SERVICE.get() {
+        service.schedule(at, hook, Due::Flush(stream));
+    }
+}
+
+/// Call `hook.sweep_idle()` on the service thread every `every`, for as long as the engine
+/// behind `hook` lives (`Duration::MAX`: never). Never waits.
+pub(crate) fn sweep_every(every: Duration, hook: Weak<dyn EngineHook>) {
+    let Some(at) = Instant::now().checked_add(every) else {
         return;
     };
-    let mut jobs = service.jobs.lock();
-    jobs.seq += 1;
-    let seq = jobs.seq;
-    let earliest = jobs.deadlines.peek().is_none_or(|Reverse(d)| at < d.at);
-    jobs.deadlines.push(Reverse(Deadline {
-        at,
-        seq,
-        hook,
-        stream,
-    }));
-    drop(jobs);
-    if earliest {
-        service.wake.notify_one();
+    if let Some(service) = SERVICE.get() {
+        service.schedule(at, hook, Due::Sweep(every));
     }
 }

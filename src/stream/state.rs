@@ -40,6 +40,7 @@ pub(crate) struct StreamCounters {
     pub(crate) deferred_frees: u64,
     pub(crate) frees: u64,
     pub(crate) deferred_flushes: u64,
+    pub(crate) idle_flushes: u64,
     pub(crate) fused_kernels: u64,
     pub(crate) ops_fused: u64,
     pub(crate) cut_runs_unfused: u64,
@@ -65,6 +66,7 @@ impl StreamCounters {
         self.deferred_frees += other.deferred_frees;
         self.frees += other.frees;
         self.deferred_flushes += other.deferred_flushes;
+        self.idle_flushes += other.idle_flushes;
         self.fused_kernels += other.fused_kernels;
         self.ops_fused += other.ops_fused;
         self.cut_runs_unfused += other.cut_runs_unfused;
@@ -137,9 +139,10 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// ([`StreamRuntime::has_foreign_buffers`], asked once): only then are consumed operands
     /// looked up to ask `foreign_to` (`execute_one`), and [`Self::stamp`] kept.
     pub(crate) foreign_buffers: bool,
-    /// Where a batch holding an operation that spreads over the backend's thread pool runs when
-    /// the stream does not fuse ([`StreamRuntime::batch_runner`], asked once).
-    pub(crate) batch_runner: Option<crate::runtime::BatchRunner>,
+    /// Whether a batch holding an operation that spreads over the backend's thread pool runs on
+    /// the engine's batch pool when the stream does not fuse
+    /// ([`StreamRuntime::batch_placement`], asked once).
+    pub(crate) batch_pool: bool,
     /// A value that changes, to one no stream ever had, whenever this stream may have dispatched
     /// a write to a buffer it allocated: after each execution of its queue and each handle
     /// registered here (an upload's write is dispatched before). Both happen under the stream's
@@ -156,6 +159,15 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// Set when the thread that used this stream exited while it still held tensors that live on
     /// elsewhere; the stream is retired once those are gone.
     pub(crate) orphaned: bool,
+    /// A batch of this stream running on the batch pool without the lock, if one is (see
+    /// [`super::detached`]).
+    pub(crate) running: Option<super::detached::Running>,
+    /// That batch between its detachment and the release of the lock, for the thread that holds
+    /// the lock to run ([`super::cell::StreamGuard`]): never seen by another thread.
+    pub(crate) detached: Option<super::detached::Detached<R>>,
+    /// What the service thread's last sweep saw of this stream's activity, when it found work
+    /// queued (see [`Self::idle_since_last_sweep`]).
+    pub(crate) swept: Option<u64>,
 }
 
 impl<R: StreamRuntime> StreamState<R> {
@@ -171,7 +183,7 @@ impl<R: StreamRuntime> StreamState<R> {
         let foreign_buffers = R::has_foreign_buffers(&context);
         Self {
             foreign_buffers,
-            batch_runner: R::batch_runner(&context),
+            batch_pool: R::batch_placement(&context) == crate::runtime::BatchPlacement::BatchPool,
             stamp: next_stamp(),
             fusion: engine.fusion.clone(),
             gate: engine.gate.clone(),
@@ -197,12 +209,29 @@ impl<R: StreamRuntime> StreamState<R> {
             counters: StreamCounters::default(),
             retired: false,
             orphaned: false,
+            running: None,
+            detached: None,
+            swept: None,
         }
+    }
+
+    /// For the service thread's sweep (with the lock, which applied the lane): whether work is
+    /// queued that was already queued at the last sweep, with nothing recorded, run or drained
+    /// since: the stream's thread has gone idle, and its queue is the service thread's to run.
+    pub(crate) fn idle_since_last_sweep(&mut self) -> bool {
+        if self.retired || self.running.is_some() || self.queue.is_empty() {
+            self.swept = None;
+            return false;
+        }
+        let c = &self.counters;
+        let activity = c.ops_registered + c.home_drops + c.ops_executed + c.drains;
+        self.swept.replace(activity) == Some(activity)
     }
 
     /// Nothing pending, nothing held.
     pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
+            && self.running.is_none()
             && self.handles.num_handles() == 0
             && self.errors.is_empty()
             && self.deferred_frees.is_empty()
@@ -475,8 +504,14 @@ impl<R: StreamRuntime> StreamState<R> {
         }
     }
 
-    /// Whether a queued operation reads `id` or produces it.
+    /// Whether a queued operation reads `id` or produces it, or a batch running detached produces
+    /// it (one that reads it holds an owner of its own: [`super::detached`]).
     pub(crate) fn queue_references(&self, id: TensorId) -> bool {
+        if let Some(running) = &self.running
+            && running.outputs.contains(&id)
+        {
+            return true;
+        }
         fn names<R: StreamRuntime, B: OpBody<R> + ?Sized>(op: &B, id: TensorId) -> bool {
             op.inputs()
                 .into_iter()
