@@ -137,6 +137,32 @@ fn fault_an_operation_that_panics() {
     });
 }
 
+/// A panic payload is the panicking code's value, and its destructor is that code's too: one
+/// that panics when the engine drops the payload must stay inside the operation's error scope,
+/// and the operations queued behind it still run.
+#[test]
+fn fault_a_panic_whose_payload_panics_when_dropped() {
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("dropping the payload");
+        }
+    }
+    survive(0, |c, _| {
+        let x = f32s(&c, &[1.0, 2.0]);
+        let failed = custom_op(&c, "bomb", &x, [2], |_: &_, _: &mut _| {
+            std::panic::panic_any(Bomb)
+        });
+        let behind = x.scale(3.0).unwrap();
+        assert_eq!(values(&behind), vec![3.0, 6.0], "queued behind it, and run");
+        assert!(matches!(
+            failed.read().unwrap_err(),
+            Error::OperationPanicked { ref op, ref message }
+                if &**op == "bomb" && &**message == "non-string panic payload"
+        ));
+    });
+}
+
 #[test]
 fn fault_a_kernel_that_fails_at_execution_time() {
     survive(0, |c, _| {

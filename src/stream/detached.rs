@@ -148,6 +148,7 @@ impl<R: StreamRuntime> StreamState<R> {
             max_deferred_free_delay: self.max_deferred_free_delay,
             queue: VecDeque::new(),
             fuser: None,
+            fuser_broken: false,
             plan: Default::default(),
             max_fused_len: self.max_fused_len,
             dispatch_closed_runs: self.dispatch_closed_runs,

@@ -56,6 +56,9 @@ pub(crate) struct Plan {
     /// ...and, for each, the queue index of the first offered operation naming it, whose IR of it
     /// a drop of it is offered with.
     seen_in: Vec<usize>,
+    /// The fuser panicked when offered the entry at this index: the error its operation fails
+    /// with (see `StreamState::execute_poisoned`).
+    poisoned: Option<(usize, Error)>,
 }
 
 impl Plan {
@@ -70,6 +73,7 @@ impl Plan {
         self.offered.clear();
         self.seen.truncate(0);
         self.seen_in.clear();
+        self.poisoned = None;
     }
 
     /// Whether an offered entry is an operation.
@@ -105,8 +109,39 @@ impl<R: StreamRuntime> StreamState<R> {
         let queue = std::mem::take(&mut self.queue);
         let closed = self.extend_plan(&queue, &mut *fuser);
         self.queue = queue;
-        self.fuser = Some(fuser);
+        self.put_back_fuser(fuser);
         closed
+    }
+
+    /// Give the stream its fuser back after an execution or an offer, unless a call into it
+    /// panicked where the engine could not put it in a known state (its `reset`): then it is
+    /// dropped (contained), and the stream runs unfused from then on.
+    fn put_back_fuser(&mut self, fuser: Box<dyn Fuser<R>>) {
+        if !std::mem::take(&mut self.fuser_broken) {
+            self.fuser = Some(fuser);
+            return;
+        }
+        tracing::warn!(stream = %self.id, "the stream's fuser panicked in `reset`: the stream runs unfused from now on");
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(fuser))) {
+            crate::error::drop_payload(payload);
+        }
+    }
+
+    /// `fuser.reset()`, contained: a panic there marks the fuser broken (see
+    /// [`Self::put_back_fuser`]).
+    fn reset_fuser(&mut self, fuser: &mut dyn Fuser<R>) {
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| fuser.reset())) {
+            crate::error::drop_payload(payload);
+            self.fuser_broken = true;
+        }
+    }
+
+    /// [`Self::reset_fuser`] of the fuser the stream holds, dropping it at once if it is broken.
+    fn reset_own_fuser(&mut self) {
+        if let Some(mut fuser) = self.fuser.take() {
+            self.reset_fuser(&mut *fuser);
+            self.put_back_fuser(fuser);
+        }
     }
 
     fn execute_queue(&mut self, lazy: bool) {
@@ -128,9 +163,7 @@ impl<R: StreamRuntime> StreamState<R> {
         let tail = self.queue.split_off(end);
         if self.plan.scanned > end {
             // The fuser was offered entries past the cut: plan the front again on its own.
-            if let Some(fuser) = &mut self.fuser {
-                fuser.reset();
-            }
+            self.reset_own_fuser();
             self.plan.clear();
         }
         self.run_queue(false);
@@ -203,7 +236,7 @@ impl<R: StreamRuntime> StreamState<R> {
         super::exec::executes(id, exec, || match self.fuser.take() {
             Some(mut fuser) if fusing => {
                 self.execute_fusing(&mut ops, &mut *fuser, lazy);
-                self.fuser = Some(fuser);
+                self.put_back_fuser(fuser);
             }
             fuser => {
                 self.fuser = fuser;
@@ -223,10 +256,8 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Fusion was switched off with a run planned, or the queue goes to the batch pool: forget
     /// the plan.
     fn forget_plan(&mut self) {
-        if let Some(fuser) = &mut self.fuser
-            && self.plan.scanned > 0
-        {
-            fuser.reset();
+        if self.plan.scanned > 0 {
+            self.reset_own_fuser();
         }
         self.plan.clear();
     }
@@ -392,13 +423,21 @@ impl<R: StreamRuntime> StreamState<R> {
     ) {
         while !ops.is_empty() {
             let closed = self.extend_plan(ops, fuser);
+            if self.plan.poisoned.is_some() {
+                self.execute_poisoned(ops, fuser);
+                continue;
+            }
             if lazy && !closed && self.plan.has_operation() {
                 return;
             }
-            let covered = fuser.covered().min(self.plan.offered.len());
+            // A fuser that panics answering is taken to cover nothing, or to decline the cut run:
+            // its operations run one by one (and the fuser is reset, below).
+            let covered = contained(|| fuser.covered()).unwrap_or(0);
+            let covered = covered.min(self.plan.offered.len());
             let offered = &self.plan.offered[..covered];
             let fused = offered.iter().filter(|(_, op)| *op).count() >= 2;
-            if fused && !closed && !fuser.fuse_cut_run(self.cut) {
+            let cut = self.cut;
+            if fused && !closed && !contained(|| fuser.fuse_cut_run(cut)).unwrap_or(false) {
                 // A run cut by this drain that the fuser declines (see `Fuser::fuse_cut_run`):
                 // it was open, so it is everything queued, and all of it runs unfused.
                 self.counters.cut_runs_unfused += 1;
@@ -421,9 +460,35 @@ impl<R: StreamRuntime> StreamState<R> {
                     self.execute_entry(entry);
                 }
             }
-            fuser.reset();
+            self.reset_fuser(fuser);
             self.plan.clear();
         }
+    }
+
+    /// The fuser panicked when offered an entry (`Plan::poisoned`): what it accepted before that
+    /// entry runs one by one (a fuser that panicked is not asked to execute what it planned),
+    /// the entry's operation fails with the panic, recorded on its outputs as any failure is,
+    /// and the fuser is reset for what comes next. Nothing else on the stream is affected.
+    #[cold]
+    fn execute_poisoned(&mut self, ops: &mut VecDeque<QueuedOp<R>>, fuser: &mut dyn Fuser<R>) {
+        let (at, error) = self.plan.poisoned.take().expect("a poisoned plan");
+        for _ in 0..at {
+            let entry = ops.pop_front().expect("an offered entry");
+            self.execute_entry(entry);
+        }
+        match ops.pop_front().expect("the entry the fuser panicked on") {
+            QueuedOp::Drop(id) => self.free(id),
+            QueuedOp::Op(op, traits) => {
+                self.counters.ops_executed += 1;
+                self.counters.ops_failed += 1;
+                tracing::debug!(op = op.name(), stream = %self.id, %error, "the fuser panicked when offered it");
+                self.record_failure(op.outputs(), error);
+                self.consume_inputs(&*op);
+                self.dispose(op, traits);
+            }
+        }
+        self.reset_fuser(fuser);
+        self.plan.clear();
     }
 
     /// Offer the entries of `ops` the plan has not looked at yet to `fuser`, in order. Returns
@@ -459,8 +524,15 @@ impl<R: StreamRuntime> StreamState<R> {
                             status: TensorStatus::ReadWrite,
                             ..copy_ir(ir)
                         };
-                        if !fuser.offer(&OperationIr::Drop(dropped), self.handles.flushed()) {
-                            return true;
+                        let ir = OperationIr::Drop(dropped);
+                        match contained(|| fuser.offer(&ir, self.handles.flushed())) {
+                            Ok(true) => {}
+                            Ok(false) => return true,
+                            Err(payload) => {
+                                let error = Error::from_panic("Fuser::offer (a drop)", payload);
+                                plan.poisoned = Some((plan.scanned, error));
+                                return true;
+                            }
                         }
                         plan.offered.push((plan.scanned, false));
                     }
@@ -472,8 +544,18 @@ impl<R: StreamRuntime> StreamState<R> {
                         .inputs()
                         .into_iter()
                         .any(|i| plan.seen.get(i.id).is_none() && !self.handles.has_handle(&i.id));
-                    if failed || !fuser.offer(&op.repr(), self.handles.flushed()) {
+                    if failed {
                         return true;
+                    }
+                    let ir = op.repr();
+                    match contained(|| fuser.offer(&ir, self.handles.flushed())) {
+                        Ok(true) => {}
+                        Ok(false) => return true,
+                        Err(payload) => {
+                            let name = format!("Fuser::offer({})", op.name());
+                            plan.poisoned = Some((plan.scanned, Error::from_panic(&name, payload)));
+                            return true;
+                        }
                     }
                     for ir in op.inputs().into_iter().chain(op.outputs()) {
                         if plan.seen.get(ir.id).is_none() {
@@ -747,6 +829,12 @@ impl<R: StreamRuntime> StreamState<R> {
             }
         }
     }
+}
+
+/// Call into code the engine does not own (a fuser) inside an error scope: the panic's payload
+/// on failure, for the caller to record or drop (with [`crate::error::drop_payload`]).
+fn contained<T>(call: impl FnOnce() -> T) -> std::thread::Result<T> {
+    catch_unwind(AssertUnwindSafe(call))
 }
 
 /// Run `batch` (a detached batch's execution) on the engine's batch pool

@@ -104,6 +104,9 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     pub(crate) queue: VecDeque<QueuedOp<R>>,
     /// The runtime's kernel fuser for this stream, if the runtime fuses.
     pub(crate) fuser: Option<Box<dyn crate::runtime::Fuser<R>>>,
+    /// A call into the fuser panicked where it could not be put back in a known state (its
+    /// `reset`): it is dropped when it comes back to the stream (see `execution`).
+    pub(crate) fuser_broken: bool,
     /// What the fuser has been offered of the queue's front (see `execution`).
     pub(crate) plan: super::execution::Plan,
     pub(crate) max_fused_len: usize,
@@ -192,6 +195,7 @@ impl<R: StreamRuntime> StreamState<R> {
             serial,
             engine: engine.this.clone(),
             fuser,
+            fuser_broken: false,
             context,
             max_queue_len: config.max_queue_len,
             max_deferred_free_delay: config.max_deferred_free_delay,

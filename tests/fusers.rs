@@ -1,10 +1,14 @@
-//! A run cut by a drain before its fuser closed it reaches [`Fuser::fuse_cut_run`] with whose
-//! drain cut it: the stream's own thread (a read) or another thread (a share of one of its
-//! tensors). A fuser that declines runs the whole cut run unfused, with the values of plain
-//! NdArray.
+//! Fusers registered through `register_fuser`, as the engine calls them.
 //!
-//! The backend type here, `NdArray<f32, i32>`, is used by no other test of this binary: its
-//! engine gets the recording fuser below through `register_fuser`.
+//! * A run cut by a drain before its fuser closed it reaches [`Fuser::fuse_cut_run`] with whose
+//!   drain cut it: the stream's own thread (a read) or another thread (a share of one of its
+//!   tensors). A fuser that declines runs the whole cut run unfused, with the values of plain
+//!   NdArray.
+//! * A fuser is code the engine does not own: one that panics when offered an operation fails
+//!   that operation, and nothing else (`a_fuser_that_panics_fails_only_the_operation_offered`).
+//!
+//! The backend types here, `NdArray<f32, i32>` and `NdArray<f32, i16>`, are used by no other test
+//! of this binary: their engines get the fusers below through `register_fuser`.
 
 use std::sync::{Mutex, Once};
 
@@ -187,4 +191,100 @@ fn a_threads_exit_cuts_as_foreign() {
 
     let want = (input::<Plain>() * 2.0 + 1.0).into_data();
     assert_eq!(y.into_data(), want);
+}
+
+/// A fuser that takes every operation but an `exp`, which it panics on, and declines every cut
+/// run (so it is never asked to execute one).
+#[derive(Default)]
+struct PanicsOnExp {
+    offered: usize,
+}
+
+/// Operations offered to every `PanicsOnExp`, over the process.
+static OFFERED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+type Panicky = NdArray<f32, i16>;
+
+impl Fuser<BackendRuntime<Panicky>> for PanicsOnExp {
+    fn offer(
+        &mut self,
+        op: &OperationIr,
+        _: &HandleContainer<<Panicky as burn_ir::BackendIr>::Handle>,
+    ) -> bool {
+        use burn_ir::{FloatOperationIr, OperationIr as Op};
+        if let Op::Float(_, FloatOperationIr::Exp(_)) = op {
+            panic!("the fuser fails on exp");
+        }
+        OFFERED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.offered += 1;
+        true
+    }
+
+    fn covered(&self) -> usize {
+        self.offered
+    }
+
+    fn execute(
+        &mut self,
+        _: &mut HandleContainer<<Panicky as burn_ir::BackendIr>::Handle>,
+        _: &BackendContext<Panicky>,
+    ) -> fusion_streams::Result<usize> {
+        Err(fusion_streams::Error::InvalidOperation {
+            op: "PanicsOnExp".into(),
+            detail: "asked to execute a run it declined".into(),
+        })
+    }
+
+    fn reset(&mut self) {
+        self.offered = 0;
+    }
+
+    fn fuse_cut_run(&mut self, _: Cut) -> bool {
+        false
+    }
+}
+
+/// A panic in `Fuser::offer`, met when the operation is recorded (a fusing stream offers each
+/// operation as it comes), took the stream's whole queue with it: every queued operation was
+/// dropped unrun (their outputs read "no handle"), the fuser was lost, and a debug build
+/// aborted on an underflow while unwinding. Now the operation offered fails with the panic, what
+/// depends on it carries that error, and everything else on the stream runs and reads right,
+/// with the fuser still offered what comes after.
+#[test]
+fn a_fuser_that_panics_fails_only_the_operation_offered() {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| register_fuser::<Panicky>(|_| Box::new(PanicsOnExp::default())));
+    type Ours = StreamFusion<Panicky>;
+    fn program<B: burn_backend::Backend>(
+        x: Tensor<B, 1>,
+    ) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+        let b = x * 2.0 + 1.0;
+        let c = b.clone().exp(); // the fuser panics on this one
+        let d = c.clone() + 1.0;
+        let e = b.clone() * 3.0;
+        (b, c, d, e)
+    }
+    let (b, c, d, e) = program(input::<Ours>());
+    // Offered: the `* 2.0` and `+ 1.0` before the panic, and `e`'s `* 3.0` after it (`d` reads
+    // the failed `c`, so it runs alone without being offered).
+    let offered = OFFERED.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        offered, 3,
+        "the fuser is still offered what comes after the panic"
+    );
+    let (want_b, _, _, want_e) = program(input::<Plain>());
+    assert_eq!(b.into_data(), want_b.into_data());
+    assert_eq!(e.into_data(), want_e.into_data());
+    let failed = c.try_into_data().expect_err("the exp failed");
+    assert!(
+        failed.to_string().contains("the fuser fails on exp"),
+        "{failed}"
+    );
+    let propagated = d.try_into_data().expect_err("what reads it fails");
+    assert!(
+        propagated.to_string().contains("the fuser fails on exp"),
+        "{propagated}"
+    );
+    let stats = Ours::client(&Default::default()).stats();
+    assert_eq!(stats.ops_failed, 1, "{stats:?}");
 }
