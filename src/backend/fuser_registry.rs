@@ -201,7 +201,16 @@ pub(crate) fn fuser_for<B: IrBackend>(
     device: &B::Device,
 ) -> Option<Box<dyn Fuser<BackendRuntime<B>>>> {
     let make = registry().read().get(&TypeId::of::<B>())?.clone();
-    let made = make(device)?;
+    // A factory is the user's code, called when a stream is made: one that panics leaves that
+    // stream without a fuser rather than failing the operation that made it.
+    let made = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(device))) {
+        Ok(made) => made?,
+        Err(payload) => {
+            tracing::warn!("a fuser factory panicked: the stream runs unfused");
+            crate::error::drop_payload(payload);
+            return None;
+        }
+    };
     made.downcast::<Box<dyn Fuser<BackendRuntime<B>>>>()
         .ok()
         .map(|fuser| *fuser)

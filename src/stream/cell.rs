@@ -34,6 +34,18 @@ pub(crate) fn in_engine() -> bool {
     LOCKS_HELD.with(|held| held.get() > 0)
 }
 
+/// Debug builds fail loudly when the calling thread holds a stream lock (or runs inside the
+/// engine) on entry to a wait whose end depends on another thread: the batch pool, the service
+/// thread, another detached batch. Such a wait under a lock is how a deadlock starts
+/// (docs/ARCHITECTURE.md, "Locks and waits").
+#[inline(always)]
+pub(crate) fn assert_no_stream_lock(wait: &str) {
+    debug_assert!(
+        !in_engine(),
+        "{wait}: a wait on another thread entered with a stream lock held (or from inside the engine)"
+    );
+}
+
 /// Counts the current thread as inside the engine until dropped, as if it held a stream lock:
 /// for a batch that runs on the engine's batch pool ([`super::batch_pool`]) while another thread
 /// holds the stream's lock, so that an operation calling back into the engine is refused there
@@ -289,6 +301,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// Wait until a batch of this stream finishes after the `finished`-th did.
     #[cold]
     fn wait_idle(&self, finished: u64) {
+        assert_no_stream_lock("waiting for a detached batch");
         let _timer = crate::profile::time(crate::profile::Section::Lock);
         let mut count = self.idle.finished.lock();
         while *count == finished {
@@ -310,6 +323,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     /// Run a batch detached from this stream by the calling thread, which has let go of the lock,
     /// and merge it back ([`super::detached`], steps 2 and 3).
     pub(crate) fn run_detached(&self, batch: Detached<R>) {
+        assert_no_stream_lock("running a detached batch");
         let Detached { ops, mut scratch } = batch;
         scratch.execute_detached(ops);
         self.lock().merge(&mut scratch);

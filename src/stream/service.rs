@@ -232,6 +232,7 @@ pub(crate) fn start() {
 }
 
 fn immediate(kind: ImmediateJob, hook: Weak<dyn EngineHook>, stream: StreamId) {
+    super::cell::assert_no_stream_lock("waiting for the service thread");
     let Some(service) = SERVICE.get() else {
         return;
     };

@@ -104,7 +104,11 @@ impl<R: TransferRuntime> SourcePublication<R> {
         self.record().dtype
     }
 
-    /// The stream the session captured, where the frontier was recorded and the copy will run.
+    /// The stream the session captured, as the backend knows it: the session's
+    /// [`HeldSession::stream`](super::HeldSession::stream), its thread's execution stream, where
+    /// the frontier was recorded and the copy will run. (Not the thread's own
+    /// [`StreamId::current`], which names the thread's stream in the engine; see
+    /// [`FusionClient::execution_stream`](crate::FusionClient::execution_stream).)
     pub fn stream(&self) -> StreamId {
         self.record().stream
     }

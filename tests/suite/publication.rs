@@ -40,6 +40,11 @@ pub fn a_publication_survives_its_session<R: TransferRuntime>(c: &FusionClient<R
     let mut session = HeldSession::open(c).unwrap();
     let x = f32s(c, &[1.5, -2.0, 3.25]);
     let p = publish(&mut session, x.scale(2.0).unwrap().add(&x).unwrap());
+    assert_eq!(
+        p.stream(),
+        session.stream(),
+        "the stream the session captured"
+    );
     session.close();
     // No session holds this stream any more: opening one succeeds.
     HeldSession::open(c).unwrap().close();
