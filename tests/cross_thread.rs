@@ -89,7 +89,9 @@ fn thread_exit_drains_pending_work_and_deferred_frees() {
 fn queue_executes_at_its_bound() {
     let c: Client = FusionClient::with_config(
         fusion_streams::host::HostDevice::default(),
-        EngineConfig::default().with_max_queue_len(4),
+        EngineConfig::default()
+            .with_max_queue_len(4)
+            .with_max_idle_delay(std::time::Duration::from_secs(3600)),
     )
     .unwrap();
     let x = f32s(&c, &[1.0]);

@@ -75,7 +75,17 @@ impl Fuser<BackendRuntime<Plain>> for DeclineAndRecord {
 
 fn client() -> fusion_streams::FusionClient<BackendRuntime<Plain>> {
     static REGISTER: Once = Once::new();
-    REGISTER.call_once(|| register_fuser::<Plain>(|_| Box::new(DeclineAndRecord::default())));
+    REGISTER.call_once(|| {
+        register_fuser::<Plain>(|_| Box::new(DeclineAndRecord::default()));
+        // Every cut these tests count is one they make: no sweep of an idle stream while a
+        // test thread is descheduled.
+        let quiet = fusion_streams::EngineConfig::default()
+            .with_max_idle_delay(std::time::Duration::from_secs(3600));
+        assert!(
+            Ours::configure(&Default::default(), quiet),
+            "opened before its tests"
+        );
+    });
     Ours::client(&Default::default())
 }
 

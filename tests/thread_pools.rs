@@ -60,6 +60,31 @@ fn f32s(data: TensorData) -> Vec<f32> {
     data.to_vec::<f32>().expect("f32 data")
 }
 
+/// `ours` is what plain `B` computed: bit for bit on NdArray (the same kernels on the same data);
+/// on CUDA within what TF32 matmuls and autotuned kernels explain (two runs of plain
+/// `CubeBackend` may pick different matmul kernels): 0.05 + 1% of the value, far below the 1.0
+/// by which a value from another round differs (a read of a stale or reused buffer).
+#[track_caller]
+fn assert_same(ours: &[f32], plain: &[f32], what: &str) {
+    if !cfg!(feature = "cuda") {
+        assert_eq!(ours, plain, "{what}");
+        return;
+    }
+    assert_eq!(ours.len(), plain.len(), "{what}: lengths");
+    for (i, (a, b)) in ours.iter().zip(plain).enumerate() {
+        assert!(
+            (a - b).abs() <= 0.05 + 0.01 * b.abs(),
+            "{what}: element {i} is {a}, plain computed {b}"
+        );
+    }
+}
+
+/// `FUSION_STREAMS_TEST_SHORT=1`: fewer jobs and rounds, for a run under compute-sanitizer
+/// (which slows every kernel down by orders of magnitude).
+fn short() -> bool {
+    std::env::var_os("FUSION_STREAMS_TEST_SHORT").is_some()
+}
+
 const PROGRAMS: [(&str, fn()); 5] = [
     (
         "a thread computing with weights a pool clones",
@@ -103,21 +128,23 @@ fn a_thread_computes_with_weights_a_pool_clones() {
             let mut steps = 0;
             while stop.load(Ordering::Acquire) == 0 || steps < 20 {
                 let read = f32s(w.clone().matmul(w.clone()).sum().into_data());
-                assert_eq!(read, own, "step {steps} on the home thread");
+                assert_same(&read, &own, &format!("step {steps} on the home thread"));
                 steps += 1;
             }
             steps
         });
         let w = rx.recv().unwrap();
-        (0..4096usize).into_par_iter().for_each(|i| {
-            let k = i % 8;
-            let w = w.clone();
-            let job = |w: Tensor<Ours, 2>| match k {
-                0 => w.clone().matmul(w).sum_dim(1).into_data(),
-                _ => (w * (k as f32)).sum_dim(1).into_data(),
-            };
-            assert_eq!(f32s(job(w)), expected[k], "job {i}");
-        });
+        (0..if short() { 512 } else { 4096usize })
+            .into_par_iter()
+            .for_each(|i| {
+                let k = i % 8;
+                let w = w.clone();
+                let job = |w: Tensor<Ours, 2>| match k {
+                    0 => w.clone().matmul(w).sum_dim(1).into_data(),
+                    _ => (w * (k as f32)).sum_dim(1).into_data(),
+                };
+                assert_same(&f32s(job(w)), &expected[k], &format!("job {i}"));
+            });
         stop.store(1, Ordering::Release);
         home.join().expect("the home thread")
     });
@@ -131,7 +158,7 @@ fn a_pending_matmul_read_at_once_by_a_thread_and_every_worker() {
     let plain_x = matrix::<Plain>(128, 128, 2, &device);
     let x = matrix::<Ours>(128, 128, 2, &device);
     let workers = rayon::current_num_threads();
-    for round in 0..50 {
+    for round in 0..if short() { 5 } else { 50 } {
         let k = round as f32;
         let expected = f32s((plain_x.clone().matmul(plain_x.clone()) + k).into_data());
         let y = x.clone().matmul(x.clone()) + k;
@@ -144,13 +171,14 @@ fn a_pending_matmul_read_at_once_by_a_thread_and_every_worker() {
             barrier.wait();
             (0..workers).into_par_iter().for_each(|_| {
                 let y = y.clone();
-                assert_eq!(f32s(y.into_data()), expected, "round {round}: a job");
+                assert_same(
+                    &f32s(y.into_data()),
+                    &expected,
+                    &format!("round {round}: a job"),
+                );
             });
-            assert_eq!(
-                thread.join().unwrap(),
-                expected,
-                "round {round}: the thread"
-            );
+            let thread = thread.join().unwrap();
+            assert_same(&thread, &expected, &format!("round {round}: the thread"));
         });
     }
 }
@@ -185,7 +213,7 @@ fn conv_inputs<B: Backend>(
 /// threads that keep running convolutions, poolings and matmuls (batches that spread over
 /// rayon), while the jobs run. No job is refused, and every value is exact.
 fn pool_jobs_use_tensors_of_threads_running_matmuls_convolutions_and_pooling() {
-    const JOBS: usize = 100_000;
+    let jobs: usize = if short() { 2_000 } else { 100_000 };
     const HOMES: usize = 2;
     const PER_HOME: usize = 8;
     let device = Default::default();
@@ -212,7 +240,7 @@ fn pool_jobs_use_tensors_of_threads_running_matmuls_convolutions_and_pooling() {
                     let mut steps = 0;
                     while stop.load(Ordering::Acquire) == 0 || steps < 5 {
                         let read = conv_pool_matmul(x.clone(), weight.clone(), w.clone());
-                        assert_eq!(&f32s(read), expected, "home {h}, step {steps}");
+                        assert_same(&f32s(read), expected, &format!("home {h}, step {steps}"));
                         steps += 1;
                     }
                 })
@@ -221,7 +249,7 @@ fn pool_jobs_use_tensors_of_threads_running_matmuls_convolutions_and_pooling() {
         drop(tx);
         let tensors: Vec<Tensor<Ours, 1>> = rx.iter().take(HOMES).flatten().collect();
         assert_eq!(tensors.len(), HOMES * PER_HOME);
-        (0..JOBS).into_par_iter().for_each(|i| {
+        (0..jobs).into_par_iter().for_each(|i| {
             let t = &tensors[i % tensors.len()];
             let run = || {
                 let view = t.clone();
@@ -233,7 +261,7 @@ fn pool_jobs_use_tensors_of_threads_running_matmuls_convolutions_and_pooling() {
                 Ok((read, base)) => {
                     let k = (i % 5) as f32;
                     let want: Vec<f32> = base.iter().map(|v| v * 2.0 + k).collect();
-                    assert_eq!(read, want, "job {i}");
+                    assert_same(&read, &want, &format!("job {i}"));
                 }
                 Err(_) => {
                     refused.fetch_add(1, Ordering::Relaxed);
@@ -270,7 +298,7 @@ fn a_pool_job_runs_batches_while_other_jobs_share_its_tensors() {
             )
         })
         .collect();
-    for round in 0..8 {
+    for round in 0..if short() { 2 } else { 8 } {
         rayon::scope(|s| {
             s.spawn(|s| {
                 let w = matrix::<Ours>(48, 48, 3, &device);
@@ -278,16 +306,14 @@ fn a_pool_job_runs_batches_while_other_jobs_share_its_tensors() {
                     let w = w.clone();
                     s.spawn(move |_| {
                         let read = (w.clone() + k as f32).matmul(w).sum_dim(1).into_data();
-                        assert_eq!(&f32s(read), expected, "round {round}, job {k}");
+                        let what = format!("round {round}, job {k}");
+                        assert_same(&f32s(read), expected, &what);
                     });
                 }
                 for step in 0..16 {
                     let read = w.clone().matmul(w.clone()).sum_dim(0).into_data();
-                    assert_eq!(
-                        f32s(read),
-                        own,
-                        "round {round}, the spawning job, step {step}"
-                    );
+                    let what = format!("round {round}, the spawning job, step {step}");
+                    assert_same(&f32s(read), &own, &what);
                 }
             });
         });
@@ -317,7 +343,7 @@ fn nested_joins_and_scopes() {
     let expected = level(matrix::<Plain>(16, 16, 4, &device) * 0.125, 4);
     for round in 0..4 {
         let ours = level(matrix::<Ours>(16, 16, 4, &device) * 0.125, 4);
-        assert_eq!(ours, expected, "round {round}");
+        assert_same(&[ours], &[expected], &format!("round {round}"));
     }
 }
 

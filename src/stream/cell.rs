@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use burn_backend::StreamId;
 use burn_ir::TensorId;
 
-use super::detached::Detached;
+use super::detached::{Detached, IdleLatch};
 use super::inbox::{InboxGuard, InboxLock, Mailbox};
 use super::lane;
 use super::state::{Entry, StreamState};
@@ -173,16 +173,7 @@ pub(crate) struct StreamCell<R: StreamRuntime> {
     /// The most it may hand over in a row: the queue bound (`EngineConfig::max_queue_len`).
     max_pending: usize,
     /// Where threads wait for a batch of this stream running detached to finish.
-    idle: Idle,
-}
-
-/// How many of a stream's detached batches have finished, and the condition their waiters wait
-/// on ([`StreamCell::lock_idle`]); a batch's end is counted after its merge, with the stream's
-/// lock released.
-#[derive(Default)]
-struct Idle {
-    finished: parking_lot::Mutex<u64>,
-    done: parking_lot::Condvar,
+    idle: IdleLatch,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
@@ -201,7 +192,7 @@ impl<R: StreamRuntime> StreamCell<R> {
             max_pending: state.max_queue_len,
             state: InboxLock::new(state, lane_len),
             pending: AtomicUsize::new(0),
-            idle: Idle::default(),
+            idle: IdleLatch::default(),
         }
     }
 
@@ -292,7 +283,8 @@ impl<R: StreamRuntime> StreamCell<R> {
             if state.running.is_none() {
                 return state;
             }
-            let finished = *self.idle.finished.lock();
+            // Read under the stream's lock: before the merge (see `IdleLatch`).
+            let finished = self.idle.finished();
             drop(state);
             self.wait_idle(finished);
         }
@@ -303,10 +295,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     fn wait_idle(&self, finished: u64) {
         assert_no_stream_lock("waiting for a detached batch");
         let _timer = crate::profile::time(crate::profile::Section::Lock);
-        let mut count = self.idle.finished.lock();
-        while *count == finished {
-            self.idle.done.wait(&mut count);
-        }
+        self.idle.wait_past(finished);
     }
 
     /// `state`, with the batch its holder detached run and merged first, if it did: the lock
@@ -330,8 +319,7 @@ impl<R: StreamRuntime> StreamCell<R> {
         // What is left of the scratch state (second owners of what the batch read) goes after
         // the lock.
         drop(scratch);
-        *self.idle.finished.lock() += 1;
-        self.idle.done.notify_all();
+        self.idle.finish();
     }
 
     /// Hand `message` to this stream without blocking; see [`super::inbox`].

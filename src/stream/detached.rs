@@ -42,16 +42,58 @@
 use std::collections::VecDeque;
 
 use burn_ir::{TensorId, TensorStatus};
-use hashbrown::HashSet;
 
 use super::state::StreamState;
+use crate::loom::sync::{Condvar, Mutex};
 use crate::operation::QueuedOp;
 use crate::runtime::StreamRuntime;
 
+/// How many of a stream's detached batches have finished, and where threads wait for the next to
+/// finish ([`super::cell::StreamCell::lock_idle`]).
+///
+/// # Protocol (no waiter is left asleep)
+///
+/// * A waiter, holding the stream's lock and seeing a batch running, reads [`Self::finished`]
+///   *before* it lets go of the stream's lock, then [`Self::wait_past`] that count.
+/// * The batch's thread merges under the stream's lock (the batch stops running there), lets go,
+///   then [`Self::finish`]es: the count goes up and every waiter is woken.
+///
+/// A waiter that read the count under the lock read it before the merge, so before the
+/// increment: either it sees the increment when it starts waiting, or it is asleep on the
+/// condition when the notification comes (both under the latch's mutex). The `loom_` test below
+/// checks it over every interleaving.
+#[derive(Default)]
+pub(crate) struct IdleLatch {
+    finished: Mutex<u64>,
+    done: Condvar,
+}
+
+impl IdleLatch {
+    /// How many batches have finished.
+    pub(crate) fn finished(&self) -> u64 {
+        *self.finished.lock()
+    }
+
+    /// Sleep until more than `finished` batches have finished.
+    pub(crate) fn wait_past(&self, finished: u64) {
+        let mut count = self.finished.lock();
+        while *count == finished {
+            self.done.wait(&mut count);
+        }
+    }
+
+    /// One more batch finished: wake every waiter.
+    pub(crate) fn finish(&self) {
+        *self.finished.lock() += 1;
+        self.done.notify_all();
+    }
+}
+
 /// A batch of the stream running detached (see the module docs).
 pub(crate) struct Running {
-    /// The ids its operations produce: not in the stream's map before the merge.
-    pub(crate) outputs: HashSet<TensorId>,
+    /// The ids its operations produce: not in the stream's map before the merge. (A batch holds
+    /// at most a queue bound's worth of entries: a list is as fast as a set here.)
+    pub(crate) outputs: Vec<TensorId>,
     /// Its entries (they count as pending in [`crate::EngineStats`]).
     pub(crate) len: usize,
 }
@@ -66,27 +108,17 @@ impl<R: StreamRuntime> StreamState<R> {
     /// Take `ops`, a batch for the batch pool, out of the stream with what it reads (see the
     /// module docs, step 1); the thread holding the lock runs it once it has let go
     /// ([`super::cell::StreamCell::run_detached`]).
+    ///
+    /// One pass in queue order. A tensor the batch reads and does not produce is handed over as
+    /// a second owner when first read; where the batch then consumes it (a `ReadWrite` use, or
+    /// the home thread's drop: its last live tensor is gone, so nothing outside can name it
+    /// again), the stream lets go of its own owner, so that the batch's is the only one (a
+    /// backend reuses a buffer in place only then) and the id leaves the stream's map as it
+    /// would have when run here.
     pub(crate) fn detach(&mut self, ops: VecDeque<QueuedOp<R>>) {
         debug_assert!(self.running.is_none() && self.detached.is_none());
-        // The ids the batch consumes: handed over whole rather than as a second owner (a second
-        // owner would keep the backend from reusing the buffer in place, and the map's own
-        // would outlive the consumption).
-        let consumed: HashSet<TensorId> = ops
-            .iter()
-            .flat_map(|entry| -> Vec<TensorId> {
-                match entry {
-                    QueuedOp::Drop(id) => vec![*id],
-                    QueuedOp::Op(op, _) => op
-                        .inputs()
-                        .into_iter()
-                        .filter(|input| input.status == TensorStatus::ReadWrite)
-                        .map(|input| input.id)
-                        .collect(),
-                }
-            })
-            .collect();
         let mut scratch = Box::new(self.scratch());
-        let mut outputs = HashSet::new();
+        let mut outputs: Vec<TensorId> = Vec::new();
         for entry in &ops {
             match entry {
                 QueuedOp::Drop(id) => {
@@ -96,9 +128,9 @@ impl<R: StreamRuntime> StreamState<R> {
                 }
                 QueuedOp::Op(op, _) => {
                     for input in op.inputs() {
-                        let id = input.id;
-                        if !outputs.contains(&id) && !scratch.is_materialised(&id) {
-                            self.hand_over_to(&mut scratch, id, consumed.contains(&id));
+                        if !outputs.contains(&input.id) {
+                            let consumed = input.status == TensorStatus::ReadWrite;
+                            self.hand_over_to(&mut scratch, input.id, consumed);
                         }
                     }
                     outputs.extend(op.outputs().iter().map(|out| out.id));
@@ -112,26 +144,19 @@ impl<R: StreamRuntime> StreamState<R> {
         self.detached = Some(Detached { ops, scratch });
     }
 
-    /// Give `scratch` the handle or error record of `id`: the stream's own when the batch
-    /// consumes it, else a second owner.
+    /// Give `scratch` a second owner of `id`'s handle (or a copy of its error record), unless
+    /// it has one; where the batch `consumed` it, the stream lets go of its own.
     fn hand_over_to(&mut self, scratch: &mut StreamState<R>, id: TensorId, consumed: bool) {
+        if !scratch.is_materialised(&id) {
+            if let Some(handle) = self.handles.get_handle_ref(&id) {
+                scratch.handles.register_handle(id, R::alias(handle));
+            } else if let Some(error) = self.errors.get(&id) {
+                scratch.errors.insert(id, error.clone());
+            }
+        }
         if consumed {
-            match self.handles.remove_handle(id) {
-                Some(burn_ir::Handle::Existing(handle)) => {
-                    scratch.handles.register_handle(id, handle);
-                }
-                Some(burn_ir::Handle::NotInit) | None => {}
-            }
-            if let Some(error) = (!self.errors.is_empty())
-                .then(|| self.errors.remove(&id))
-                .flatten()
-            {
-                scratch.errors.insert(id, error);
-            }
-        } else if let Some(handle) = self.handles.get_handle_ref(&id) {
-            scratch.handles.register_handle(id, R::alias(handle));
-        } else if let Some(error) = self.errors.get(&id) {
-            scratch.errors.insert(id, error.clone());
+            self.remove_handle(id);
+            self.remove_error(id);
         }
     }
 
@@ -193,5 +218,40 @@ impl<R: StreamRuntime> StreamState<R> {
         self.released.append(&mut scratch.released);
         self.new_stamp();
         self.retry_deferred_frees();
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::loom::sync::Arc;
+    use loom::thread;
+
+    /// A thread that finds a batch running waits for it the way `StreamCell::lock_idle` does,
+    /// while the batch's thread merges and finishes the way `StreamCell::run_detached` does: the
+    /// waiter always wakes, and then sees the batch merged.
+    #[test]
+    fn loom_a_waiter_for_a_detached_batch_always_wakes() {
+        loom::model(|| {
+            // The stream's lock, over "a batch is running".
+            let stream = Arc::new((Mutex::new(true), IdleLatch::default()));
+            let batch = {
+                let stream = stream.clone();
+                thread::spawn(move || {
+                    *stream.0.lock() = false; // the merge, under the stream's lock
+                    stream.1.finish(); // after the lock is let go
+                })
+            };
+            loop {
+                let running = stream.0.lock();
+                if !*running {
+                    break;
+                }
+                let finished = stream.1.finished();
+                drop(running);
+                stream.1.wait_past(finished);
+            }
+            batch.join().unwrap();
+        });
     }
 }

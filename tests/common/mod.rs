@@ -70,12 +70,15 @@ pub fn pass_through(op: &CustomOpIr, handles: &mut Handles) -> fusion_streams::R
 }
 
 /// Settings under which nothing executes unless a test asks for it: a queue bound no test
-/// reaches, and deferred frees that wait for their reader however long the test takes (the
-/// service thread's deadline is tested on its own).
+/// reaches, deferred frees that wait for their reader however long the test takes, and no sweep
+/// of idle streams while a test thread is descheduled (the service thread's deadline and sweep
+/// are tested on their own).
 pub fn lazy_config() -> EngineConfig {
+    let hour = std::time::Duration::from_secs(3600);
     EngineConfig::default()
         .with_max_queue_len(1024)
-        .with_max_deferred_free_delay(std::time::Duration::from_secs(3600))
+        .with_max_deferred_free_delay(hour)
+        .with_max_idle_delay(hour)
 }
 
 /// A fresh engine on a host device, with [`lazy_config`].
