@@ -77,6 +77,12 @@ where
 /// nothing is freed until the operation runs, which happens at the latest when a read, a sync, a
 /// share, the queue bound or the exit of its thread runs the stream. Pass data through operands
 /// instead of captures where you can.
+///
+/// An executor runs inside a drain of its stream, like every operation: it must not wait for a
+/// thread that may itself be waiting for the engine — a `join` or parallel iterator of rayon's
+/// global pool, whose workers may be the program's own jobs sharing this stream's tensors, or a
+/// channel another such thread feeds. Give its parallel work a thread pool of its own
+/// (docs/ARCHITECTURE.md, "Locks and waits").
 pub trait CustomExecutor<R: FusionRuntime>: Send + Sync + 'static {
     /// Run the operation described by `op`.
     fn execute(

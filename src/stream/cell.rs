@@ -47,9 +47,9 @@ pub(crate) fn assert_no_stream_lock(wait: &str) {
 }
 
 /// Counts the current thread as inside the engine until dropped, as if it held a stream lock:
-/// for a batch that runs on the engine's batch pool ([`super::batch_pool`]) while another thread
-/// holds the stream's lock, so that an operation calling back into the engine is refused there
-/// too.
+/// for a batch that runs on the engine's batch pool ([`super::batch_pool`]), detached from its
+/// stream ([`super::detached`]), so that an operation calling back into the engine is refused
+/// there as it is under the lock, and a drop or clone there is posted to an inbox.
 pub(crate) struct InEngine(());
 
 impl InEngine {
