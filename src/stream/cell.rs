@@ -174,11 +174,14 @@ pub(crate) struct StreamCell<R: StreamRuntime> {
     max_pending: usize,
     /// Where threads wait for a batch of this stream running detached to finish.
     idle: IdleLatch,
+    /// The state's `contended`: set by a thread that waits for the lock.
+    contended: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<R: StreamRuntime> StreamCell<R> {
     /// The cell of a new stream, made on the stream's own thread.
     pub(crate) fn new(state: StreamState<R>) -> Self {
+        let contended = state.contended.clone();
         let laned = state.fuser.is_none();
         let lane_len = if laned {
             state.max_queue_len.min(LANE_MAX)
@@ -193,6 +196,7 @@ impl<R: StreamRuntime> StreamCell<R> {
             state: InboxLock::new(state, lane_len),
             pending: AtomicUsize::new(0),
             idle: IdleLatch::default(),
+            contended,
         }
     }
 
@@ -265,6 +269,7 @@ impl<R: StreamRuntime> StreamCell<R> {
     #[inline(never)]
     fn lock_held(&self) -> InboxGuard<'_, StreamState<R>> {
         let _timer = crate::profile::time(crate::profile::Section::Lock);
+        self.contended.store(true, Ordering::Relaxed);
         self.state.lock()
     }
 

@@ -26,6 +26,18 @@
 //!    not consume moves into the stream's map, its counters are added, `Running` is cleared, the
 //!    deferred frees are retried, and threads waiting for the stream to be idle are woken.
 //!
+//! # When
+//!
+//! Detaching costs a little per batch (handing the handles over and back, a second lock); what it
+//! buys is that other threads do not wait for the batch. So a batch for the batch pool runs
+//! detached when another thread has lately waited for the stream's lock
+//! (`StreamState::contended`, set by a thread that found the lock taken: a stream whose tensors
+//! other threads share or read), for the next few such batches after each time it is seen
+//! (`execution::DETACH_CREDIT`). Otherwise it runs on the pool under the lock, as a batch in place
+//! does: no deadlock either way, since the pool's threads never wait for a lock
+//! ([`super::batch_pool`]). The first batch after other threads start using a stream may keep
+//! them waiting; the ones after it do not.
+//!
 //! # While a batch runs
 //!
 //! * A share or read of a tensor the stream holds goes ahead at once.
@@ -40,6 +52,7 @@
 //!   owner, and the batch keeps its own.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use burn_ir::{TensorId, TensorStatus};
 
@@ -193,6 +206,8 @@ impl<R: StreamRuntime> StreamState<R> {
             running: None,
             detached: None,
             swept: None,
+            contended: Arc::default(),
+            detach_credit: 0,
             retired: false,
             orphaned: false,
         }

@@ -82,6 +82,12 @@ impl Plan {
     }
 }
 
+/// How many of its next batches for the batch pool a stream runs detached once another thread
+/// was seen waiting for its lock (see `super::detached`, "When"): a stream whose tensors other
+/// threads keep using stays detached, one they stopped using goes back to running its batches
+/// under the lock.
+const DETACH_CREDIT: u8 = 8;
+
 impl<R: StreamRuntime> StreamState<R> {
     /// Execute every queued operation in order, on this stream, then apply deferred frees.
     pub(crate) fn execute_all(&mut self) {
@@ -217,9 +223,19 @@ impl<R: StreamRuntime> StreamState<R> {
             return;
         }
         let fusing = self.fusing();
-        if !fusing && self.batch_pool && self.queue.iter().any(QueuedOp::uses_thread_pool) {
-            // A batch with an operation that spreads over the backend's thread pool runs on the
-            // engine's batch pool, whole, without the lock (see `super::detached`).
+        // A batch with an operation that spreads over the backend's thread pool runs on the
+        // engine's batch pool, whole: without the lock when other threads want the stream (see
+        // `super::detached`, "When"), else under it.
+        let pooled =
+            !fusing && self.batch_pool && self.queue.iter().any(QueuedOp::uses_thread_pool);
+        self.counters.batches_pooled += u64::from(pooled);
+        if pooled && self.contended.load(Ordering::Relaxed) {
+            self.contended.store(false, Ordering::Relaxed);
+            self.detach_credit = DETACH_CREDIT;
+        }
+        if pooled && self.detach_credit > 0 {
+            self.detach_credit -= 1;
+            self.counters.batches_detached += 1;
             self.forget_plan();
             let ops = std::mem::take(&mut self.queue);
             return self.detach(ops);
@@ -233,17 +249,26 @@ impl<R: StreamRuntime> StreamState<R> {
         // unwind leaves the stream ungated, never a permit held.
         let gate = self.gate.take();
         let permit = super::gate::enter(gate.as_deref());
-        super::exec::executes(id, exec, || match self.fuser.take() {
-            Some(mut fuser) if fusing => {
-                self.execute_fusing(&mut ops, &mut *fuser, lazy);
-                self.put_back_fuser(fuser);
-            }
-            fuser => {
-                self.fuser = fuser;
-                self.forget_plan();
-                self.execute_in_place(ops.drain(..));
-            }
-        });
+        let mut run = || {
+            super::exec::executes(id, exec, || match self.fuser.take() {
+                Some(mut fuser) if fusing => {
+                    self.execute_fusing(&mut ops, &mut *fuser, lazy);
+                    self.put_back_fuser(fuser);
+                }
+                fuser => {
+                    self.fuser = fuser;
+                    self.forget_plan();
+                    self.execute_in_place(ops.drain(..));
+                }
+            })
+        };
+        if pooled {
+            // The one wait under a stream lock: on the batch pool, whose threads never wait for
+            // a lock (docs/ARCHITECTURE.md, "Locks and waits").
+            run_on_batch_pool(&mut run);
+        } else {
+            run();
+        }
         drop(permit);
         self.gate = gate;
         // Executors cannot enqueue (re-entrant calls are refused), so the queue is still

@@ -280,6 +280,13 @@ pub struct EngineStats {
     /// Queues the service thread ran because their thread had recorded nothing for
     /// [`EngineConfig::max_idle_delay`] with work queued.
     pub idle_flushes: u64,
+    /// Batches run on the engine's batch pool (holding an operation that spreads over the
+    /// backend's thread pool: [`crate::runtime::BatchPlacement::BatchPool`]).
+    pub batches_pooled: u64,
+    /// Of those, the ones run detached from their stream, without its lock, because another
+    /// thread had waited for the stream's lock since its last pooled batch (a stream whose
+    /// tensors other threads share or read; docs/ARCHITECTURE.md, "Locks and waits").
+    pub batches_detached: u64,
     /// Fused kernels launched (each covers a run of queued operations).
     pub fused_kernels: u64,
     /// Operations executed inside fused kernels (counted in `ops_executed` too).
@@ -328,6 +335,8 @@ impl EngineStats {
         self.frees += c.frees;
         self.deferred_flushes += c.deferred_flushes;
         self.idle_flushes += c.idle_flushes;
+        self.batches_pooled += c.batches_pooled;
+        self.batches_detached += c.batches_detached;
         self.fused_kernels += c.fused_kernels;
         self.ops_fused += c.ops_fused;
         self.cut_runs_unfused += c.cut_runs_unfused;

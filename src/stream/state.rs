@@ -41,6 +41,8 @@ pub(crate) struct StreamCounters {
     pub(crate) frees: u64,
     pub(crate) deferred_flushes: u64,
     pub(crate) idle_flushes: u64,
+    pub(crate) batches_pooled: u64,
+    pub(crate) batches_detached: u64,
     pub(crate) fused_kernels: u64,
     pub(crate) ops_fused: u64,
     pub(crate) cut_runs_unfused: u64,
@@ -67,6 +69,8 @@ impl StreamCounters {
         self.frees += other.frees;
         self.deferred_flushes += other.deferred_flushes;
         self.idle_flushes += other.idle_flushes;
+        self.batches_pooled += other.batches_pooled;
+        self.batches_detached += other.batches_detached;
         self.fused_kernels += other.fused_kernels;
         self.ops_fused += other.ops_fused;
         self.cut_runs_unfused += other.cut_runs_unfused;
@@ -171,6 +175,13 @@ pub(crate) struct StreamState<R: StreamRuntime> {
     /// What the service thread's last sweep saw of this stream's activity, when it found work
     /// queued (see [`Self::idle_since_last_sweep`]).
     pub(crate) swept: Option<u64>,
+    /// Set by a thread that found the lock taken and waited for it (shared with the stream's
+    /// cell, which sets it without the lock); read and cleared when a batch goes to the batch
+    /// pool: it runs detached only when another thread wants the stream while it runs (see
+    /// [`super::detached`], "When").
+    pub(crate) contended: Arc<std::sync::atomic::AtomicBool>,
+    /// How many more batches for the batch pool run detached (see `execution::DETACH_CREDIT`).
+    pub(crate) detach_credit: u8,
 }
 
 impl<R: StreamRuntime> StreamState<R> {
@@ -216,6 +227,8 @@ impl<R: StreamRuntime> StreamState<R> {
             running: None,
             detached: None,
             swept: None,
+            contended: Arc::default(),
+            detach_credit: 0,
         }
     }
 
